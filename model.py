@@ -1,0 +1,328 @@
+"""A LLaMA-family decoder (LLaMA-2/3/3.1, Vicuna, Mistral, Qwen2, SmolLM2) with a static KV cache.
+
+One file, read top to bottom: config, KV cache, transformer, attention, feed-forward, RoPE.
+
+The forward pass takes three things that plain decoding conflates, separately:
+
+    input_pos  [B, T]  the RoPE position of each token
+    cache_pos  [B, T]  the KV-cache slot each token's K/V is written to
+    mask       [B, T, S] which of the S cache slots each token attends to
+
+For prefill and one-token decode they coincide (slot = position, causal mask). Tree verification
+is why they are separate: a tree of T candidate tokens sits in T consecutive slots after the
+prefix, but its positions are prefix_len + depth and each node sees the prefix and its own
+ancestors only. Positions and slots are per row of the batch, so rows may hold prefixes of
+different lengths (batched speculative decoding).
+
+Weights are laid out as in Hugging Face checkpoints: q/k use the rotate-half RoPE convention.
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+CONFIG_FILE = "model_config.json"  # written by convert_hf_checkpoint.py beside model.pth
+
+
+@dataclass
+class ModelArgs:
+    block_size: int = 4096  # longest context the model was trained for
+    vocab_size: int = 32000
+    n_layer: int = 32
+    n_head: int = 32
+    dim: int = 4096
+    intermediate_size: Optional[int] = None
+    n_local_heads: int = -1  # key/value heads (GQA); -1 means n_head
+    head_dim: Optional[int] = None  # defaults to dim // n_head
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # llama-3.1 style {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+    tie_embeddings: bool = False  # LM head shares the embedding matrix (SmolLM2, small Qwen2)
+    sliding_window: Optional[int] = None  # Mistral-7B-v0.1
+    num_experts: int = 0  # > 0: Mixtral sparse mixture-of-experts feed-forward
+    num_activated_experts: int = 2
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_head
+        if self.intermediate_size is None:
+            # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of 256.
+            hidden = int(2 * (4 * self.dim) / 3)
+            self.intermediate_size = 256 * ((hidden + 255) // 256)
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        """gpt-fast convention: the longest known config name contained in `name` (case-insensitive)."""
+        if name in transformer_configs:
+            return cls(**transformer_configs[name])
+        hits = [k for k in transformer_configs if k.lower() in name.lower()]
+        if not hits:
+            raise ValueError(
+                f"unknown model name {name!r} and no {CONFIG_FILE} beside the checkpoint; "
+                f"convert it with convert_hf_checkpoint.py or name its folder after one of: "
+                f"{', '.join(sorted(transformer_configs))}"
+            )
+        return cls(**transformer_configs[max(hits, key=len)])
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_path) -> "ModelArgs":
+        """The config the converter wrote beside the weights, else the one named by the folder."""
+        folder = Path(checkpoint_path).parent
+        config_file = folder / CONFIG_FILE
+        if config_file.is_file():
+            return cls(**json.loads(config_file.read_text())["model"])
+        return cls.from_name(folder.name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+transformer_configs = {
+    # LLaMA-2 and Vicuna (v1.3 is LLaMA-1 based: 2k context, eps 1e-6)
+    "llama-2-7b": dict(block_size=4096, n_layer=32, n_head=32, dim=4096, intermediate_size=11008),
+    "llama-2-13b": dict(block_size=4096, n_layer=40, n_head=40, dim=5120, intermediate_size=13824),
+    "llama-2-70b": dict(block_size=4096, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672),
+    "vicuna-7b": dict(block_size=2048, n_layer=32, n_head=32, dim=4096, intermediate_size=11008, norm_eps=1e-6),
+    "vicuna-13b": dict(block_size=2048, n_layer=40, n_head=40, dim=5120, intermediate_size=13824, norm_eps=1e-6),
+    "vicuna-33b": dict(block_size=2048, n_layer=60, n_head=52, dim=6656, intermediate_size=17920, norm_eps=1e-6),
+    # LLaMA-3 / 3.1
+    "llama-3-8b": dict(block_size=8192, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                       vocab_size=128256, rope_base=500000.0),
+    "llama-3-70b": dict(block_size=8192, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+                        vocab_size=128256, rope_base=500000.0),
+    "llama-3.1-8b": dict(block_size=131072, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                         vocab_size=128256, rope_base=500000.0, rope_scaling=_LLAMA31_ROPE),
+    "llama-3.1-70b": dict(block_size=131072, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+                          vocab_size=128256, rope_base=500000.0, rope_scaling=_LLAMA31_ROPE),
+    # Mistral (v0.1: sliding-window attention over 4096 tokens)
+    "mistral-7b": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                       sliding_window=4096),
+    # SmolLM2 (tied embeddings)
+    "SmolLM2-135M": dict(block_size=8192, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536,
+                         vocab_size=49152, rope_base=100000.0, tie_embeddings=True),
+    "SmolLM2-360M": dict(block_size=8192, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560,
+                         vocab_size=49152, rope_base=100000.0, tie_embeddings=True),
+    "SmolLM2-1.7B": dict(block_size=8192, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192,
+                         vocab_size=49152, rope_base=130000.0, tie_embeddings=True),
+    # Qwen2.5 (q/k/v biases; small ones tie embeddings); the Coder models share these shapes
+    "Qwen2.5-0.5B": dict(block_size=32768, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864,
+                         vocab_size=151936, rope_base=1000000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True),
+    "Qwen2.5-1.5B": dict(block_size=32768, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960,
+                         vocab_size=151936, rope_base=1000000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True),
+    "Qwen2.5-7B": dict(block_size=32768, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944,
+                       vocab_size=152064, rope_base=1000000.0, norm_eps=1e-6, qkv_bias=True),
+    # Tiny configs for tests: every feature switched on somewhere, sizes that run in milliseconds on a CPU.
+    "tiny-llama": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                       vocab_size=512),
+    "tiny-llama-3.1": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                           vocab_size=512, rope_base=500000.0,
+                           rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                             original_max_position_embeddings=64)),
+    "tiny-qwen2": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                       vocab_size=512, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6),
+}
+for _size in ("0.5B", "1.5B", "7B"):
+    transformer_configs[f"Qwen2.5-Coder-{_size}"] = transformer_configs[f"Qwen2.5-{_size}"]
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer live in buffers of fixed shape [B, n_kv_heads, S, head_dim],
+    allocated once, so decode steps have static shapes (CUDA graphs, no re-allocation)."""
+
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+        super().__init__()
+        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
+        # cache_pos [B, T]; k, v [B, H, T, D]. scatter_ writes row b's tokens into row b's own slots.
+        B, H, T, D = k.shape
+        index = cache_pos[:, None, :, None].expand(B, H, T, D)
+        self.k_cache[:B].scatter_(2, index, k)
+        self.v_cache[:B].scatter_(2, index, v)
+        return self.k_cache[:B], self.v_cache[:B]
+
+    def copy_slots(self, src: Tensor, dst: Tensor):
+        """Copy row b's entries in slots src[b] to slots dst[b] (both [B, n]); all reads happen
+        before any write, so the two may overlap. Speculative decoding moves accepted tree nodes
+        down to the end of the prefix with this."""
+        B, n = src.shape
+        for cache in (self.k_cache[:B], self.v_cache[:B]):
+            H, D = cache.size(1), cache.size(3)
+            moved = cache.gather(2, src[:, None, :, None].expand(B, H, n, D))
+            cache.scatter_(2, dst[:, None, :, None].expand(B, H, n, D), moved)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        """Allocate the KV cache and the RoPE table once; later calls with the same sizes are free."""
+        if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
+            return
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        c = self.config
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+        cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None, return_features: bool = False, layer_ids=()):
+        """idx [B, T] token ids; input_pos [B, T] (or [T], shared by all rows) RoPE positions;
+        cache_pos: slots to write, default = input_pos; mask [B, T, S] bool, default causal by slot.
+
+        Returns logits [B, T, vocab]; with return_features or layer_ids, the tuple
+        (logits, features, layer_inputs): features is the final post-norm hidden state that the
+        LM head reads (the EAGLE feature), layer_inputs the residual stream entering each layer
+        in layer_ids (EAGLE-3 fuses layers 2, L//2 and L-3)."""
+        if self.max_seq_length < 0:
+            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+        B, T = idx.shape
+        input_pos = input_pos.expand(B, T)
+        cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, T)
+        slots = torch.arange(self.max_seq_length, device=idx.device)
+        if mask is None:
+            mask = slots <= cache_pos[..., None]
+        if self.config.sliding_window is not None:
+            # Keys older than the window are hidden. A slot's position equals its index except for
+            # tree slots, which always lie within the last few tokens, far inside any window.
+            mask = mask & (slots > input_pos[..., None] - self.config.sliding_window)
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [B, T, head_dim]
+
+        x = self.tok_embeddings(idx)
+        layer_inputs = []
+        for i, layer in enumerate(self.layers):
+            if i in layer_ids:
+                layer_inputs.append(x)
+            x = layer(x, cos, sin, cache_pos, mask)
+        features = self.norm(x)
+        logits = self.output(features)
+        if return_features or layer_ids:
+            return logits, features, layer_inputs
+        return logits
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, cos, sin, cache_pos, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache_pos, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        # q, k and v in one matmul: one weight read per decode step instead of three.
+        qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x, cos, sin, cache_pos, mask):
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(cache_pos, k, v)
+        y = attention(q, k, v, mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """The one place where queries meet the cache. q [B, H, T, D]; k, v [B, KV, S, D] (GQA: H is a
+    multiple of KV, never materialised); mask [B, T, S] bool. Every attention call goes through
+    here, so a fused kernel can replace it for all callers at once."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate_proj, w3 = up_proj, w2 = down_proj."""
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 as the reference implementations do, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def precompute_rope(seq_len: int, head_dim: int, base: float, scaling: Optional[dict] = None):
+    """cos/sin tables [seq_len, head_dim] in float32, rotate-half layout (both halves repeat)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = _llama31_scale(inv_freq, **scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _llama31_scale(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """LLaMA-3.1 RoPE scaling: long wavelengths are slowed by `factor`, short ones kept,
+    and the band in between interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, interpolated)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D]; cos/sin [B, T, D] in float32. Rotate-half convention (Hugging Face layout)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).type_as(x)
