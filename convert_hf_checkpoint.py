@@ -1,0 +1,370 @@
+"""Convert a Hugging Face checkpoint folder or a GGUF file into what model.py loads.
+
+    python convert_hf_checkpoint.py --checkpoint_dir DIR              # DIR written by save_pretrained
+    python convert_hf_checkpoint.py --gguf FILE --checkpoint_dir DIR  # e.g. a llama.cpp Q4_1 file
+
+writes DIR/model.pth (a state dict with model.py's names) and DIR/model_config.json
+({"model": ModelArgs, "tokenizer": what tokenizer.load_tokenizer needs, "source": where it came
+from}); from a GGUF file also DIR/tokenizer.json, rebuilt from the file's metadata.
+
+Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (GGUF: llama, qwen2), which
+covers LLaMA-2/3/3.1, Vicuna, Mistral, Qwen2/2.5 and SmolLM2. GGUF tensors are dequantized
+(gguf.quants): the result is an ordinary float checkpoint, not a quantized one.
+"""
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import torch
+from gguf.quants import dequantize
+from safetensors.torch import load_file
+
+from model import CONFIG_FILE, ModelArgs
+from tokenizer import gguf_tokenizer_json, gguf_tokenizer_meta, guess_tokenizer_meta
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+# ---------------------------------------------------------------------------------------------
+def convert_hf(checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path:
+    """DIR/model.pth and DIR/model_config.json from the save_pretrained folder DIR; returns the
+    path of model.pth. dtype "auto" keeps the dtype the config declares."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no such folder: {folder}")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: expected a folder written by save_pretrained")
+    config = json.loads((folder / "config.json").read_text())
+    args = model_args_from_hf(config)
+    torch_dtype = _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype"))
+    out = folder / "model.pth"
+    _refuse_to_overwrite([out, folder / CONFIG_FILE], force)
+
+    try:
+        tokenizer = guess_tokenizer_meta(folder)
+    except FileNotFoundError as e:  # weights without a tokenizer still convert
+        print(f"warning: {e}; model_config.json gets no tokenizer section", file=sys.stderr)
+        tokenizer = None
+
+    state_dict = hf_to_model_state_dict(load_hf_weights(folder), args)
+    _cast(state_dict, torch_dtype)
+    source = {"format": "hf", "architecture": config["architectures"][0],
+              "dtype": _dtype_name(next(iter(state_dict.values())).dtype)}
+    _write_config(folder, args, tokenizer, source)
+    _save_last(state_dict, out)
+    return out
+
+
+def model_args_from_hf(config: dict) -> ModelArgs:
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r} (model_type {config.get('model_type')!r}); "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    n_head = config["num_attention_heads"]
+    # transformers < 5 writes rope_theta and rope_scaling; 5 writes both into rope_parameters.
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        rope_scaling = None
+    elif rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        rope_scaling = {k: rope[k] for k in keys}
+    else:
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
+    return ModelArgs(
+        block_size=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"],
+        n_layer=config["num_hidden_layers"],
+        n_head=n_head,
+        dim=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        n_local_heads=config.get("num_key_value_heads") or n_head,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
+        rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=rope_scaling,
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        # Qwen2 always has q/k/v biases; LLaMA's attention_bias would also put one on o_proj,
+        # which model.py lacks: hf_to_model_state_dict then reports it as an unexpected tensor.
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=_sliding_window(arch, config),
+    )
+
+
+def _sliding_window(arch: str, config: dict):
+    if arch == "MistralForCausalLM":
+        return config.get("sliding_window")  # None from Mistral-7B-v0.2 on
+    if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+        # Qwen2 configs carry a sliding_window value that only counts with use_sliding_window, and
+        # then only from layer max_window_layers on. model.py has one window for all layers.
+        n_layer = config["num_hidden_layers"]
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", n_layer) else "full_attention"
+            for i in range(n_layer)]
+        if all(t == "sliding_attention" for t in layer_types):
+            return config["sliding_window"]
+        if any(t == "sliding_attention" for t in layer_types):
+            raise ValueError("Qwen2 with sliding-window attention in some layers only is not supported")
+    return None
+
+
+def load_hf_weights(folder: Path) -> dict:
+    """All tensors of a save_pretrained folder: model.safetensors, pytorch_model.bin, or shards
+    of either listed in an index file."""
+    for stem, load in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
+        index = folder / f"{stem}.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (folder / stem).is_file():
+            files = [stem]
+        else:
+            continue
+        weights = {}
+        for name in files:
+            if not (folder / name).is_file():
+                raise FileNotFoundError(f"{index.name} lists {name}, which is not in {folder}")
+            weights.update(load(folder / name))
+        return weights
+    raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors, pytorch_model.bin "
+                            f"or a sharded index of either")
+
+
+def _load_safetensors(path: Path) -> dict:
+    try:
+        return load_file(path)
+    except Exception as e:  # SafetensorError on a truncated or corrupt file
+        raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
+
+
+def _load_bin(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, an unpickling error, ...
+        raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
+
+
+def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
+    """Hugging Face tensor names -> model.py's. q/k/v are concatenated into one wqkv matrix
+    (their rows keep HF's rotate-half RoPE layout, which model.py uses). `weights` is emptied as
+    it goes, so that a large checkpoint is not held twice."""
+
+    def take(name):
+        if name not in weights:
+            raise ValueError(f"the checkpoint lacks the tensor {name}")
+        return weights.pop(name)
+
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight")}
+    for i in range(args.n_layer):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        qkv = [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"]
+        out[ours + "attention.wqkv.weight"] = torch.cat(qkv)
+        if args.qkv_bias:
+            out[ours + "attention.wqkv.bias"] = torch.cat([take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"])
+        out[ours + "attention.wo.weight"] = take(hf + "self_attn.o_proj.weight")
+        out[ours + "feed_forward.w1.weight"] = take(hf + "mlp.gate_proj.weight")
+        out[ours + "feed_forward.w3.weight"] = take(hf + "mlp.up_proj.weight")
+        out[ours + "feed_forward.w2.weight"] = take(hf + "mlp.down_proj.weight")
+        out[ours + "attention_norm.weight"] = take(hf + "input_layernorm.weight")
+        out[ours + "ffn_norm.weight"] = take(hf + "post_attention_layernorm.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if args.tie_embeddings:
+        weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy anyway
+    else:
+        out["output.weight"] = take("lm_head.weight")
+    # Old checkpoints carry RoPE tables as buffers; model.py computes its own.
+    left = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
+    if left:
+        raise ValueError(f"the checkpoint has tensors model.py has no place for (an unsupported "
+                         f"feature?): {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files
+# ---------------------------------------------------------------------------------------------
+# GGUF tensor names (blk.N. prefix stripped) -> Hugging Face's, so that the GGUF path ends in
+# hf_to_model_state_dict too.
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def convert_gguf(gguf_file, checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path:
+    """DIR/model.pth, DIR/model_config.json and DIR/tokenizer.json from a GGUF file; returns the
+    path of model.pth. dtype "auto" is float32 (the file's own types are quantized ones)."""
+    gguf_file, folder = Path(gguf_file), Path(checkpoint_dir)
+    reader = _read_gguf(gguf_file)
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    args = model_args_from_gguf(metadata, tensors)
+    torch_dtype = _torch_dtype(dtype, "float32")
+    out = folder / "model.pth"
+    _refuse_to_overwrite([out, folder / CONFIG_FILE, folder / "tokenizer.json"], force)
+    tokenizer_json = gguf_tokenizer_json(metadata)  # fails early on an unsupported tokenizer
+
+    permuted = metadata["general.architecture"] == "llama"  # llama.cpp permutes LLaMA q/k only
+    weights = {}
+    for name, t in tensors.items():
+        w = _dequantize(t)
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        if permuted and kind in ("attn_q", "attn_k"):
+            w = unpermute_rope(w, args.n_head if kind == "attn_q" else args.n_local_heads)
+        weights[_hf_name(name)] = w
+    state_dict = hf_to_model_state_dict(weights, args)
+    _cast(state_dict, torch_dtype)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(tokenizer_json)
+    source = {"format": "gguf", "file": gguf_file.name, "architecture": metadata["general.architecture"],
+              "name": metadata.get("general.name"), "dtype": _dtype_name(torch_dtype),
+              "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values()))}
+    _write_config(folder, args, gguf_tokenizer_meta(metadata), source)
+    _save_last(state_dict, out)
+    return out
+
+
+def _read_gguf(path: Path):
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # bad magic, a truncated header or tensor data, ...
+        raise ValueError(f"cannot read {path} as GGUF (truncated or corrupt?): {e}") from e
+
+
+def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+    def get(key, default=None):
+        return metadata.get(f"{arch}.{key}", default)
+
+    # llama.cpp stores LLaMA-3.1 RoPE scaling as a table of per-frequency factors, not as the
+    # parameters model.py takes.
+    if "rope_freqs.weight" in tensors or get("rope.scaling.type", "none") != "none":
+        raise ValueError("GGUF files with RoPE scaling are not supported: convert the Hugging Face checkpoint instead")
+    if "token_embd.weight" not in tensors:
+        raise ValueError("the GGUF file lacks the tensor token_embd.weight")
+    dim, n_head = get("embedding_length"), get("attention.head_count")
+    return ModelArgs(
+        block_size=get("context_length"),
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
+        n_layer=get("block_count"),
+        n_head=n_head,
+        dim=dim,
+        intermediate_size=get("feed_forward_length"),
+        n_local_heads=get("attention.head_count_kv", n_head),
+        head_dim=get("attention.key_length", dim // n_head),
+        # Stored as float32: round 9.99999975e-06 back to the 1e-05 the model was trained with.
+        rope_base=float(f"{get('rope.freq_base', 10000.0):.7g}"),
+        norm_eps=float(f"{get('attention.layer_norm_rms_epsilon', 1e-5):.7g}"),
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        tie_embeddings="output.weight" not in tensors,
+    )
+
+
+def _dequantize(t) -> torch.Tensor:
+    """One GGUF tensor as float32 in PyTorch's [out, in] order. GGUF lists dimensions innermost
+    first (ggml's ne), so the numpy shape is the reverse."""
+    try:
+        w = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"{t.name}: cannot dequantize {t.tensor_type.name}: {e}") from e
+    return torch.tensor(w.reshape(tuple(reversed(t.shape.tolist()))))  # a copy: t.data maps the file
+
+
+def _hf_name(gguf_name: str) -> str:
+    if not gguf_name.startswith("blk."):
+        return GGUF_TO_HF.get(gguf_name, gguf_name)
+    _, layer, kind, suffix = gguf_name.split(".")
+    return f"model.layers.{layer}.{GGUF_TO_HF.get(kind, kind)}.{suffix}"
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's permutation of LLaMA q/k rows. Within each head, Hugging Face's rotate-half
+    layout holds the two halves of every rotated pair apart, [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}];
+    llama.cpp's converter interleaves them into Meta's original order, [x_0, x_{d/2}, x_1, ...].
+    (Qwen2 GGUF files keep the rotate-half rows: not for them.)"""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared
+# ---------------------------------------------------------------------------------------------
+def _refuse_to_overwrite(paths, force: bool):
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not force:
+        raise FileExistsError(f"refusing to overwrite {', '.join(existing)}: pass --force (force=True) to replace")
+
+
+def _torch_dtype(dtype: str, auto):
+    """The torch dtype to save in: --dtype, or for "auto" the dtype named by `auto` (the HF
+    config's; None when it names none: then the tensors keep their own)."""
+    name = auto if dtype == "auto" else dtype
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _cast(state_dict: dict, dtype):
+    """In place, one tensor at a time, so that a large checkpoint is not held twice."""
+    if dtype is not None:
+        for name, tensor in state_dict.items():
+            state_dict[name] = tensor.to(dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _save_last(state_dict: dict, out: Path):
+    """model.pth is written last and atomically: scripts take its presence to mean the
+    conversion finished, so an interrupted run must not leave a partial one."""
+    partial = out.with_name(out.name + ".partial")
+    torch.save(state_dict, partial)
+    partial.replace(out)
+
+
+def _write_config(folder: Path, args: ModelArgs, tokenizer, source: dict):
+    config = {"model": args.to_dict(), "tokenizer": tokenizer, "source": source}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint_dir", type=Path, required=True,
+                        help="Hugging Face folder to convert in place, or where a GGUF file's conversion goes")
+    parser.add_argument("--gguf", type=Path, default=None, help="convert this GGUF file")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="auto: the config's dtype for Hugging Face folders, float32 for GGUF")
+    parser.add_argument("--force", action="store_true", help="overwrite existing output files (model.pth, model_config.json, tokenizer.json)")
+    args = parser.parse_args(argv)
+    try:
+        if args.gguf is not None:
+            out = convert_gguf(args.gguf, args.checkpoint_dir, args.dtype, args.force)
+        else:
+            out = convert_hf(args.checkpoint_dir, args.dtype, args.force)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {out} and {out.parent / CONFIG_FILE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""convert_hf_checkpoint.py: converted checkpoints give transformers' logits; GGUF files (written
+here, with llama.cpp's q/k permutation, and the real SmolLM2 one) convert to the right RoPE layout;
+bad input fails with a clear message."""
+import json
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from transformers import AutoModelForCausalLM
+
+from convert_hf_checkpoint import convert_gguf, convert_hf, main
+from model import ModelArgs, Transformer
+from tokenizer import load_tokenizer
+
+Q8_0, Q4_0, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
+
+
+def load_converted(model_path) -> Transformer:
+    """model.pth into model.py, strictly: every tensor has a place and every place a tensor."""
+    args = ModelArgs.from_checkpoint(model_path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    state_dict = torch.load(model_path, mmap=True, weights_only=True)
+    if args.tie_embeddings:  # the file stores the shared matrix once, as tok_embeddings.weight
+        assert "output.weight" not in state_dict
+        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def hf_model(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def logits_pair(model_path, reference, seq_len=40):
+    """Full-prefill logits of the converted model and of transformers' model on the same tokens
+    (40 > the tiny Mistral's sliding window of 16)."""
+    model = load_converted(model_path)
+    ids = torch.randint(0, 512, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    model.setup_caches(2, seq_len)
+    return model(ids, torch.arange(seq_len)), reference(ids).logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch, weights", [
+    ("llama", "safetensors"), ("llama", "sharded-bin"),
+    ("mistral", "sharded-safetensors"),
+    ("qwen2", "safetensors"), ("qwen2", "sharded-bin"),
+])
+def test_converted_logits_equal_transformers(tiny_hf_checkpoint, arch, weights):
+    folder = tiny_hf_checkpoint(arch, weights)
+    ours, reference = logits_pair(convert_hf(folder), hf_model(folder))
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_model_config_records_each_feature(tiny_hf_checkpoint):
+    def converted(arch):
+        folder = tiny_hf_checkpoint(arch)
+        convert_hf(folder)
+        return json.loads((folder / "model_config.json").read_text())
+
+    llama, mistral, qwen2 = converted("llama"), converted("mistral"), converted("qwen2")
+    assert llama["model"]["rope_scaling"] == dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                  original_max_position_embeddings=64)
+    assert (llama["model"]["rope_base"], llama["model"]["n_local_heads"], llama["model"]["block_size"]) == (500000.0, 2, 256)
+    assert mistral["model"]["sliding_window"] == 16
+    # Qwen2's config says sliding_window=4096 but use_sliding_window=false: no window.
+    assert qwen2["model"]["sliding_window"] is None
+    assert qwen2["model"]["qkv_bias"] and qwen2["model"]["tie_embeddings"]
+    assert llama["tokenizer"]["chat_template"] == "llama-3" and llama["tokenizer"]["add_bos"]
+    assert qwen2["tokenizer"] == {"file": "tokenizer.json", "chat_template": "chatml",
+                                  "system_prompt": "You are a tiny test model.", "bos_id": None,
+                                  "add_bos": False, "stop_ids": [0, 2]}
+    assert llama["source"] == {"format": "hf", "architecture": "LlamaForCausalLM", "dtype": "float32"}
+
+
+def test_dtype_auto_follows_the_config_and_can_be_overridden(tiny_hf_checkpoint):
+    folder = tiny_hf_checkpoint("qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    state_dict = torch.load(convert_hf(folder), weights_only=True)
+    assert {t.dtype for t in state_dict.values()} == {torch.bfloat16}
+    state_dict = torch.load(convert_hf(folder, dtype="float16", force=True), weights_only=True)
+    assert {t.dtype for t in state_dict.values()} == {torch.float16}
+
+
+def test_transformers4_style_rope_config(tiny_hf_checkpoint):
+    """Configs written by transformers < 5 have rope_theta and rope_scaling (with "type" in old
+    ones) instead of rope_parameters."""
+    folder = tiny_hf_checkpoint("llama")
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    (folder / "config.json").write_text(json.dumps(config))
+    ours, reference = logits_pair(convert_hf(folder), hf_model(folder))
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files written here from the tiny models
+# ---------------------------------------------------------------------------------------------
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's HF->GGUF converter does to LLaMA q/k rows: rotate-half -> interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_gguf(hf_folder, path, qtype=F32):
+    """A GGUF file as llama.cpp's converter would write it for a tiny HF llama or qwen2 folder:
+    metadata, the byte-level BPE vocabulary, and tensors (2-D ones as qtype, norms as F32)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    arch = config["model_type"]
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+    tokenizer = json.loads((hf_folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre({"llama": "llama-bpe", "qwen2": "qwen2"}[arch])
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"][-1] if arch == "llama" else config["eos_token_id"])
+    if arch == "llama":
+        writer.add_bos_token_id(config["bos_token_id"])
+        writer.add_add_bos_token(True)
+    writer.add_chat_template((hf_folder / "chat_template.jinja").read_text())
+
+    for name, w in load_file(hf_folder / "model.safetensors").items():
+        w = w.numpy()
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            gguf_name = f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = llama_cpp_permute(w, n_head if "attn_q" in gguf_name else n_kv)
+        if w.ndim == 2 and qtype != F32:
+            writer.add_tensor(gguf_name, quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_f32_logits_equal_transformers(tiny_hf_checkpoint, tmp_path, arch):
+    """LLaMA q/k come out of GGUF interleaved and must be un-permuted; Qwen2's must not be."""
+    folder = tiny_hf_checkpoint(arch, rope_scaling=None)  # llama.cpp keeps llama3 scaling as a table
+    model_path = convert_gguf(write_gguf(folder, tmp_path / "tiny.gguf"), tmp_path / "converted")
+    ours, reference = logits_pair(model_path, hf_model(folder))
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+    config = json.loads((tmp_path / "converted/model_config.json").read_text())
+    assert config["model"]["tie_embeddings"] == (arch == "qwen2")
+    assert config["model"]["qkv_bias"] == (arch == "qwen2")
+    assert config["source"]["format"] == "gguf" and config["source"]["tensor_types"]["F32"] > 0
+    # The rebuilt tokenizer.json tokenizes like the original one.
+    ours_tok, original = load_tokenizer(tmp_path / "converted"), load_tokenizer(folder)
+    for text in ["The quick brown fox, 1234 times!", "  indented\nlines\n\n", "Zürich 🙂"]:
+        assert ours_tok.encode(text) == original.encode(text)
+    assert ours_tok.stop_ids == original.stop_ids
+
+
+@pytest.mark.parametrize("qtype, loose", [(Q8_0, 0.1), (Q4_0, 0.6)])
+def test_gguf_quantized(tiny_hf_checkpoint, tmp_path, qtype, loose):
+    folder = tiny_hf_checkpoint("llama", rope_scaling=None)
+    model_path = convert_gguf(write_gguf(folder, tmp_path / "tiny.gguf", qtype), tmp_path / "converted")
+    reference = hf_model(folder)
+    ours, float_logits = logits_pair(model_path, reference)
+    # Loose: quantization noise, which this random tiny net amplifies (a wrong RoPE layout: ~1.1).
+    assert (ours - float_logits).abs().mean() < loose * float_logits.abs().mean()
+
+    # Exact: transformers with every matrix replaced by dequantize(quantize(w)) gives our logits.
+    def roundtrip(w):
+        return torch.from_numpy(dequantize(quantize(w.detach().numpy(), qtype), qtype))
+
+    state_dict = torch.load(model_path, weights_only=True)
+    down = reference.model.layers[1].mlp.down_proj.weight  # [64, 128]: orientation shows
+    assert torch.equal(state_dict["layers.1.feed_forward.w2.weight"], roundtrip(down))
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() == 2:
+                p.copy_(roundtrip(p))
+    ours, quantized_reference = logits_pair(model_path, reference)
+    torch.testing.assert_close(ours, quantized_reference, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct GGUF (Q4_1, llama architecture: q/k permuted)
+# ---------------------------------------------------------------------------------------------
+# Ordinary expository English written for this test (~150 words).
+PARAGRAPH = (
+    "Water covers about seventy percent of the surface of the Earth. Most of it is salt water in the "
+    "oceans, and only a small part is fresh water that people can drink. The water cycle describes how "
+    "water moves between the oceans, the air and the land. When the sun heats the surface of the ocean, "
+    "some of the water evaporates and rises into the air as water vapor. As the vapor rises, it cools and "
+    "forms clouds. When the droplets in the clouds become large enough, they fall back to the ground as "
+    "rain or snow. Some of this water flows over the land into rivers and lakes, and some of it soaks into "
+    "the ground, where it becomes groundwater. Plants take up water through their roots and release it "
+    "into the air through their leaves. In the end, most of the water returns to the ocean, and the cycle "
+    "begins again.")
+
+
+@torch.no_grad()
+def perplexity(model, ids) -> float:
+    model.setup_caches(1, len(ids))
+    logits = model(torch.tensor([ids]), torch.arange(len(ids)))[0]
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+
+
+def test_smollm2_perplexity_needs_the_unpermuted_layout(smollm2_checkpoint):
+    """Measured: 5.3 with the right layout, 41 with llama.cpp's interleaved one left in place.
+    Both produce fluent-looking text; only the perplexity tells them apart."""
+    model = load_converted(smollm2_checkpoint / "model.pth")
+    ids = load_tokenizer(smollm2_checkpoint).encode(PARAGRAPH)
+    assert 150 < len(ids) < 200
+    assert perplexity(model, ids) < 8
+
+    c = model.config
+    q, kv = c.n_head * c.head_dim, c.n_local_heads * c.head_dim
+    for layer in model.layers:  # put the permutation back: what a converter that forgot it gives
+        w = layer.attention.wqkv.weight.detach()
+        w[:q] = torch.from_numpy(llama_cpp_permute(w[:q].numpy(), c.n_head))
+        w[q:q + kv] = torch.from_numpy(llama_cpp_permute(w[q:q + kv].numpy(), c.n_local_heads))
+    model.max_seq_length = -1  # fresh caches
+    assert perplexity(model, ids) > 20
+
+
+def test_smollm2_model_config(smollm2_checkpoint):
+    config = json.loads((smollm2_checkpoint / "model_config.json").read_text())
+    assert config["model"] == ModelArgs.from_name("SmolLM2-135M").to_dict()
+    assert config["tokenizer"]["stop_ids"] == [0, 2] and config["tokenizer"]["chat_template"] == "chatml"
+    assert config["source"]["tensor_types"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
+
+
+# ---------------------------------------------------------------------------------------------
+# Clear errors
+# ---------------------------------------------------------------------------------------------
+_TINY_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=256)
+
+
+def test_missing_folder_config_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        convert_hf(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        convert_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **_TINY_CONFIG}))
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        convert_hf(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture 'GPT2LMHeadModel'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "unsupported rope scaling 'yarn'"),
+])
+def test_unsupported_configs(tiny_hf_checkpoint, change, message):
+    folder = tiny_hf_checkpoint("llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        convert_hf(folder)
+    assert not (folder / "model.pth").exists()
+
+
+def test_unsupported_tensors(tiny_hf_checkpoint):
+    # LLaMA's attention_bias also puts a bias on o_proj, which model.py does not have.
+    folder = tiny_hf_checkpoint("llama", attention_bias=True)
+    with pytest.raises(ValueError, match="no place for .*o_proj.bias"):
+        convert_hf(folder)
+
+
+def test_missing_tensor(tiny_hf_checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_hf_checkpoint("llama")
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks the tensor model.layers.1.mlp.up_proj.weight"):
+        convert_hf(folder)
+
+
+@pytest.mark.parametrize("weights, file", [("safetensors", "model.safetensors"),
+                                           ("sharded-bin", "pytorch_model-00002-of-00003.bin")])
+def test_truncated_weights(tiny_hf_checkpoint, weights, file):
+    folder = tiny_hf_checkpoint("qwen2", weights)
+    data = (folder / file).read_bytes()
+    (folder / file).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"cannot read .*{file}"):
+        convert_hf(folder)
+
+
+def test_bad_gguf_files(tmp_path, tiny_hf_checkpoint):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+    (tmp_path / "text.gguf").write_text("not a GGUF file at all")
+    with pytest.raises(ValueError, match="cannot read .*text.gguf as GGUF"):
+        convert_gguf(tmp_path / "text.gguf", tmp_path / "out")
+
+    good = write_gguf(tiny_hf_checkpoint("qwen2"), tmp_path / "tiny.gguf")
+    data = good.read_bytes()
+    (tmp_path / "truncated.gguf").write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match="cannot read .*truncated.gguf as GGUF"):
+        convert_gguf(tmp_path / "truncated.gguf", tmp_path / "out")
+
+    writer = gguf.GGUFWriter(tmp_path / "phi3.gguf", "phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
+        convert_gguf(tmp_path / "phi3.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_to_overwrite_without_force(tiny_hf_checkpoint, capsys):
+    folder = tiny_hf_checkpoint("qwen2")
+    (folder / "model.pth").write_text("the user's own file")
+    with pytest.raises(SystemExit, match="error: refusing to overwrite .*model.pth.*--force"):
+        main(["--checkpoint_dir", str(folder)])
+    assert (folder / "model.pth").read_text() == "the user's own file"
+    main(["--checkpoint_dir", str(folder), "--force"])
+    assert "wrote" in capsys.readouterr().out
+    load_converted(folder / "model.pth")
+
+
+def test_cli_reports_errors_without_traceback(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: no such folder: .*nowhere$"):
+        main(["--checkpoint_dir", str(tmp_path / "nowhere")])
