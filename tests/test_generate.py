@@ -1,0 +1,112 @@
+"""generate.py, vanilla decoding: greedy output equals transformers' generate, sampling helpers,
+the command line on the real model, and clear errors for bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import generate as gen
+from convert_hf_checkpoint import convert_hf
+from conftest import ROOT
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@torch.no_grad()
+def test_greedy_equals_transformers_generate(tiny_hf_checkpoint, arch):
+    folder = tiny_hf_checkpoint(arch)
+    model = gen.load_model(convert_hf(folder), "cpu", torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for seed in range(3):
+        prompt = torch.randint(0, 512, (1, 5 + 4 * seed), generator=torch.Generator().manual_seed(seed))
+        n = 30  # longer than the tiny Mistral's sliding window of 16, with the prompt
+        expected = reference.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, prompt.size(1):].tolist()
+        assert gen.generate(model, prompt, n)[0] == expected
+
+
+@torch.no_grad()
+def test_stops_at_a_stop_token_and_compiled_matches_eager():
+    torch.manual_seed(0)
+    from model import ModelArgs, Transformer
+    model = Transformer(ModelArgs.from_name("tiny-llama")).eval()
+    prompt = torch.randint(0, 512, (1, 6))
+    full = gen.generate(model, prompt, 40)[0]
+    assert len(full) == 40
+    stop = full[21]  # a token first seen at step 21 stops generation there, the stop token kept
+    first = full.index(stop)
+    assert gen.generate(model, prompt, 40, stop_ids={stop})[0] == full[:first + 1]
+    # Streaming sees exactly the returned tokens.
+    seen = []
+    gen.generate(model, prompt, 40, stop_ids={stop}, callback=lambda t: seen.append(int(t[0])))
+    assert seen == full[:first + 1]
+    compiled = torch.compile(gen.decode_one_token, mode="reduce-overhead", fullgraph=True)
+    assert gen.generate(model, prompt, 40, decode_fn=compiled)[0] == full
+
+
+def test_logits_to_probs_top_k_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    p = gen.logits_to_probs(logits, 1.0)
+    torch.testing.assert_close(p, torch.softmax(logits, -1))
+    top2 = gen.logits_to_probs(logits, 1.0, top_k=2)
+    assert (top2[0, 2:] == 0).all()
+    torch.testing.assert_close(top2[0, :2], torch.softmax(logits[0, :2], -1))
+    # top_p keeps the smallest prefix reaching the mass: p = [.55, .20, .12, .07, .03] (rounded)
+    assert (gen.logits_to_probs(logits, 1.0, top_p=0.5)[0, 1:] == 0).all()  # the top token alone
+    kept = gen.logits_to_probs(logits, 1.0, top_p=0.7)
+    assert (kept[0, :2] > 0).all() and (kept[0, 2:] == 0).all()
+    torch.testing.assert_close(kept.sum(-1), torch.ones(1))
+    # temperature sharpens
+    assert gen.logits_to_probs(logits, 0.5)[0, 0] > p[0, 0]
+
+
+def test_sampling_matches_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    draws = gen.sample_from(probs.expand(200_000, 4))
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(freq, probs, atol=5e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line on the real model
+# ---------------------------------------------------------------------------------------------
+def test_cli_answers_paris_and_stops_at_end_of_turn(smollm2_checkpoint, tmp_path):
+    out = tmp_path / "out.json"
+    gen.main(["--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--chat", "--prompt",
+              "What is the capital of France?", "--max_new_tokens", "64", "--output_json", str(out)])
+    report = json.loads(out.read_text())
+    sample = report["samples"][0]
+    assert "Paris" in sample["text"]
+    assert sample["token_ids"][-1] == 2 and sample["new_tokens"] < 64  # stopped at <|im_end|>
+    assert "<|im_end|>" not in sample["text"]
+    assert report["device"] == "cpu" and report["compiled"] is False and sample["tokens_per_s"] > 0
+    assert report["prompt_ids"][:1] == [1]  # <|im_start|>: the chat template was applied
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--top_k", "0"], "--top_k must be >= 1"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+    (["--checkpoint_path", "no/such/model.pth"], "checkpoint not found"),
+])
+def test_bad_flags_are_clear_errors(args, message):
+    result = run_cli(*args)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(smollm2_checkpoint, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("word " * 9000)  # > 8192 tokens
+    result = run_cli("--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--prompt_file", str(prompt))
+    assert result.returncode != 0
+    assert "more than the model's context of 8192 tokens" in result.stderr and "Traceback" not in result.stderr
