@@ -213,3 +213,57 @@ def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
     from convert_hf_checkpoint import convert_gguf
 
     return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("SmolLM2-135M-Instruct")).parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny targets and drafts for speculative decoding, built in memory
+# ---------------------------------------------------------------------------------------------
+def tiny_target(name: str = "tiny-llama", seed: int = 0, **overrides):
+    """A random model.py Transformer from a named tiny config (fields overridable), with random
+    q/k/v biases where the config has them (the default init leaves them at zero)."""
+    from model import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**{**ModelArgs.from_name(name).to_dict(), **overrides})).eval()
+    for layer in model.layers:
+        if layer.attention.wqkv.bias is not None:
+            torch.nn.init.normal_(layer.attention.wqkv.bias, std=0.5)
+    return model
+
+
+def random_draft(target, seed: int = 1, fc_bias: bool = True, std: float = None):
+    """A random EAGLE draft for target. std: redraw every matrix from N(0, std^2); the default init
+    gives attention so little weight that a wrong mask or position barely moves the output."""
+    from draft import EagleDraft, draft_config_for
+
+    torch.manual_seed(seed)
+    draft = EagleDraft(draft_config_for(target.config), fc_bias=fc_bias).eval()
+    if std is not None:
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0.0, std)
+    return draft
+
+
+def mirrored_pair(seed: int = 0, sharpness: float = 3.0, **overrides):
+    """A one-layer target and a draft that nearly predicts it, so that long guesses get accepted and
+    deep tree paths, compaction and EOS inside accepted runs are exercised.
+
+    The target's embeddings have unit RMS and its norms weight 1, so its input norm is the identity;
+    the draft (no input norm, fc = [I | 0]: it reads the next token's embedding only) runs the same
+    layer. It differs from the target by the final norm (a per-token scale: same argmax, other
+    temperature) and by not seeing the first prompt token."""
+    target = tiny_target("tiny-llama", seed, n_layer=1, **overrides)
+    dim = target.config.dim
+    with torch.no_grad():
+        emb = target.tok_embeddings.weight
+        emb.copy_(emb / emb.pow(2).mean(-1, keepdim=True).sqrt())
+        target.output.weight.mul_(sharpness)
+    draft = random_draft(target, fc_bias=False)
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, :dim] = torch.eye(dim)
+        layer = {k: v for k, v in target.layers[0].state_dict().items() if not k.startswith("attention_norm")}
+        draft.layer.load_state_dict(layer)
+    return target, draft
