@@ -211,8 +211,8 @@ class Transformer(nn.Module):
         if mask is None:
             mask = slots <= cache_pos[..., None]
         if self.config.sliding_window is not None:
-            # Keys older than the window are hidden. A slot's position equals its index except for
-            # tree slots, which always lie within the last few tokens, far inside any window.
+            # Keys older than the window are hidden. A prefix slot's position is its index; the
+            # tree region's slots lie past every position and pass, as the newest tokens should.
             mask = mask & (slots > input_pos[..., None] - self.config.sliding_window)
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [B, T, head_dim]
 
