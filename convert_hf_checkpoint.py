@@ -7,9 +7,9 @@ writes DIR/model.pth (a state dict with model.py's names) and DIR/model_config.j
 ({"model": ModelArgs, "tokenizer": what tokenizer.load_tokenizer needs, "source": where it came
 from}); from a GGUF file also DIR/tokenizer.json, rebuilt from the file's metadata.
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (GGUF: llama, qwen2), which
-covers LLaMA-2/3/3.1, Vicuna, Mistral, Qwen2/2.5 and SmolLM2. GGUF tensors are dequantized
-(gguf.quants): the result is an ordinary float checkpoint, not a quantized one.
+Supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM (GGUF:
+llama, qwen2), which covers LLaMA-2/3/3.1, Vicuna, Mistral, Mixtral, Qwen2/2.5 and SmolLM2. GGUF
+tensors are dequantized (gguf.quants): the result is an ordinary float checkpoint, not a quantized one.
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from model import CONFIG_FILE, ModelArgs
 from tokenizer import gguf_tokenizer_json, gguf_tokenizer_meta, guess_tokenizer_meta
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,12 +95,14 @@ def model_args_from_hf(config: dict) -> ModelArgs:
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=_sliding_window(arch, config),
+        num_experts=config["num_local_experts"] if arch == "MixtralForCausalLM" else 0,
+        num_activated_experts=config.get("num_experts_per_tok", 2),
     )
 
 
 def _sliding_window(arch: str, config: dict):
-    if arch == "MistralForCausalLM":
-        return config.get("sliding_window")  # None from Mistral-7B-v0.2 on
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return config.get("sliding_window")  # None from Mistral-7B-v0.2 on, and in Mixtral
     if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
         # Qwen2 configs carry a sliding_window value that only counts with use_sliding_window, and
         # then only from layer max_window_layers on. model.py has one window for all layers.
@@ -168,9 +170,12 @@ def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
         if args.qkv_bias:
             out[ours + "attention.wqkv.bias"] = torch.cat([take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"])
         out[ours + "attention.wo.weight"] = take(hf + "self_attn.o_proj.weight")
-        out[ours + "feed_forward.w1.weight"] = take(hf + "mlp.gate_proj.weight")
-        out[ours + "feed_forward.w3.weight"] = take(hf + "mlp.up_proj.weight")
-        out[ours + "feed_forward.w2.weight"] = take(hf + "mlp.down_proj.weight")
+        if args.num_experts:
+            out.update(_experts(take, weights, hf, ours + "feed_forward.", args.num_experts))
+        else:
+            out[ours + "feed_forward.w1.weight"] = take(hf + "mlp.gate_proj.weight")
+            out[ours + "feed_forward.w3.weight"] = take(hf + "mlp.up_proj.weight")
+            out[ours + "feed_forward.w2.weight"] = take(hf + "mlp.down_proj.weight")
         out[ours + "attention_norm.weight"] = take(hf + "input_layernorm.weight")
         out[ours + "ffn_norm.weight"] = take(hf + "post_attention_layernorm.weight")
     out["norm.weight"] = take("model.norm.weight")
@@ -184,6 +189,24 @@ def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
         raise ValueError(f"the checkpoint has tensors model.py has no place for (an unsupported "
                          f"feature?): {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
     return out
+
+
+def _experts(take, weights: dict, hf: str, ours: str, n_experts: int) -> dict:
+    """One Mixtral layer's router and experts, stacked into model.py's [E, out, in] tensors. Hub
+    checkpoints store each expert's w1/w2/w3 (gate/down/up) under block_sparse_moe; transformers 5
+    holds them fused in memory (and writes them so with save_original_format=False):
+    mlp.experts.gate_up_proj [E, 2I, D] (gate rows, then up rows) and mlp.experts.down_proj [E, D, I]."""
+    if hf + "mlp.experts.gate_up_proj" in weights:
+        gate_up, down = take(hf + "mlp.experts.gate_up_proj"), take(hf + "mlp.experts.down_proj")
+        if gate_up.size(0) != n_experts or down.size(0) != n_experts:
+            raise ValueError(f"{hf}mlp.experts holds {gate_up.size(0)} experts, the config says {n_experts}")
+        w1, w3 = (w.contiguous() for w in gate_up.chunk(2, dim=1))
+        return {ours + "gate.weight": take(hf + "mlp.gate.weight"),
+                ours + "w1.weight": w1, ours + "w3.weight": w3, ours + "w2.weight": down}
+    moe = hf + "block_sparse_moe."
+    return {ours + "gate.weight": take(moe + "gate.weight"),
+            **{f"{ours}{w}.weight": torch.stack([take(f"{moe}experts.{e}.{w}.weight") for e in range(n_experts)])
+               for w in ("w1", "w3", "w2")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +282,9 @@ def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
         raise ValueError("GGUF files with RoPE scaling are not supported: convert the Hugging Face checkpoint instead")
     if "token_embd.weight" not in tensors:
         raise ValueError("the GGUF file lacks the tensor token_embd.weight")
+    if get("expert_count"):
+        raise ValueError("GGUF mixture-of-experts files (Mixtral) are not supported: "
+                         "convert the Hugging Face checkpoint instead")
     dim, n_head = get("embedding_length"), get("attention.head_count")
     return ModelArgs(
         block_size=get("context_length"),
@@ -301,6 +327,65 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     (Qwen2 GGUF files keep the rotate-half rows: not for them.)"""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Published EAGLE-1/2 heads
+# ---------------------------------------------------------------------------------------------
+# The reference layout (EAGLE's own repository): a LLaMA config.json with num_hidden_layers 1 and
+# fc.weight [h, 2h], fc.bias (LLaMA-2/Vicuna/Mixtral heads; not LLaMA-3), one decoder layer
+# without input_layernorm, and often a frozen copy of the target's embed_tokens.weight.
+EAGLE_TO_DRAFT = {
+    "layers.0.self_attn.o_proj.weight": "layer.attention.wo.weight",
+    "layers.0.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
+    "layers.0.mlp.up_proj.weight": "layer.feed_forward.w3.weight",
+    "layers.0.mlp.down_proj.weight": "layer.feed_forward.w2.weight",
+    "layers.0.post_attention_layernorm.weight": "layer.ffn_norm.weight",
+}
+
+
+def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
+    """DIR/draft.safetensors + DIR/draft_config.json (draft.load_draft's format) from an EAGLE-1/2
+    head in the reference layout in DIR; returns the folder. The target's embedding is not kept:
+    the draft always uses the target's own."""
+    from draft import DRAFT_CONFIG, DRAFT_WEIGHTS, EagleDraft, save_draft
+
+    folder = Path(eagle_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: expected an EAGLE head (config.json + weights)")
+    _refuse_to_overwrite([folder / DRAFT_WEIGHTS, folder / DRAFT_CONFIG], force)
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_hf_weights(folder)
+    weights.pop("embed_tokens.weight", None)
+    fc_bias = "fc.bias" in weights
+    # The head's config describes one LLaMA layer, whatever architecture name it carries.
+    args = model_args_from_hf({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                               "attention_bias": "layers.0.self_attn.q_proj.bias" in weights})
+    if "fc.weight" not in weights or weights["fc.weight"].shape != (args.dim, 2 * args.dim):
+        shape = tuple(weights["fc.weight"].shape) if "fc.weight" in weights else None
+        raise ValueError(f"{folder} is not an EAGLE-1/2 head: fc.weight should be [{args.dim}, {2 * args.dim}], "
+                         f"found {shape} (EAGLE-3 heads, with fc over 3 layers and their own LM head, are not supported)")
+    state = {"fc.weight": weights.pop("fc.weight")}
+    if fc_bias:
+        state["fc.bias"] = weights.pop("fc.bias")
+    qkv = [f"layers.0.self_attn.{p}_proj" for p in "qkv"]
+    try:
+        state["layer.attention.wqkv.weight"] = torch.cat([weights.pop(n + ".weight") for n in qkv])
+        if args.qkv_bias:
+            state["layer.attention.wqkv.bias"] = torch.cat([weights.pop(n + ".bias") for n in qkv])
+        state.update({ours: weights.pop(theirs) for theirs, ours in EAGLE_TO_DRAFT.items()})
+    except KeyError as e:
+        raise ValueError(f"the EAGLE head in {folder} lacks the tensor {e.args[0]}") from None
+    if weights:
+        raise ValueError(f"the EAGLE head in {folder} has tensors an EAGLE-1/2 draft has no place for: "
+                         f"{', '.join(sorted(weights)[:5])}")
+    with torch.device("meta"):
+        draft = EagleDraft(args, fc_bias=fc_bias)
+    try:
+        draft.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"the EAGLE head in {folder} does not match its config.json: {e}") from None
+    return save_draft(draft, folder, _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,14 +434,22 @@ def _write_config(folder: Path, args: ModelArgs, tokenizer, source: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint_dir", type=Path, required=True,
+    parser.add_argument("--checkpoint_dir", type=Path, default=None,
                         help="Hugging Face folder to convert in place, or where a GGUF file's conversion goes")
     parser.add_argument("--gguf", type=Path, default=None, help="convert this GGUF file")
+    parser.add_argument("--eagle_dir", type=Path, default=None,
+                        help="convert the EAGLE-1/2 head in this folder (reference layout) in place, for --draft_checkpoint_path")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="auto: the config's dtype for Hugging Face folders, float32 for GGUF")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files (model.pth, model_config.json, tokenizer.json)")
     args = parser.parse_args(argv)
+    if (args.eagle_dir is None) == (args.checkpoint_dir is None):
+        parser.error("give --checkpoint_dir (with --gguf for a GGUF file), or --eagle_dir for an EAGLE head")
     try:
+        if args.eagle_dir is not None:
+            out = convert_eagle(args.eagle_dir, args.dtype, args.force)
+            print(f"wrote {out / 'draft.safetensors'} and {out / 'draft_config.json'}")
+            return
         if args.gguf is not None:
             out = convert_gguf(args.gguf, args.checkpoint_dir, args.dtype, args.force)
         else:

@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import KVCache, ModelArgs, TransformerBlock, precompute_rope
-from tree import StaticTree, Tree, expand, rerank, tree_attention_mask, tree_structure
+from model import KVCache, ModelArgs, TransformerBlock, TreeMask, precompute_rope
+from tree import StaticTree, Tree, expand, rerank, tree_structure
 
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
@@ -43,16 +43,18 @@ class EagleDraft(nn.Module):
             return
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         c = self.config
-        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        norm = self.layer.ffn_norm.weight  # fc may be quantized (int8 weight): a norm has the float dtype
+        dtype, device = norm.dtype, norm.device
         self.layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
         cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
-                mask: Optional[Tensor] = None) -> Tensor:
+                mask=None) -> Tensor:
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, dim] = f_t (true or
-        predicted). Positions, slots and mask as in Transformer.forward. Returns f^_{t+1} [B, n, dim]."""
+        predicted). Positions, slots and mask (dense or TreeMask) as in Transformer.forward.
+        Returns f^_{t+1} [B, n, dim]."""
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         B, n, _ = embeds.shape
@@ -83,16 +85,19 @@ def save_draft(draft: EagleDraft, folder, dtype: Optional[torch.dtype] = None):
 
 
 def load_draft(path, target_config: ModelArgs, device="cpu", dtype=torch.float32) -> EagleDraft:
-    """A draft folder (or its draft.safetensors) written by save_draft or convert_hf_checkpoint.py
-    --eagle_dir. Checks that it fits the target."""
+    """A draft folder (its draft.safetensors), or one weights file in it: draft.safetensors as
+    written by save_draft or convert_hf_checkpoint.py --eagle_dir, or draft_int8.safetensors /
+    draft_int4.gNN.safetensors written by quantize.py --draft. Checks that it fits the target."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    import quantize
+
     path = Path(path)
     folder = path if path.is_dir() else path.parent
-    config_file, weights = folder / DRAFT_CONFIG, folder / DRAFT_WEIGHTS
+    config_file, weights = folder / DRAFT_CONFIG, (folder / DRAFT_WEIGHTS if path.is_dir() else path)
     if not config_file.is_file() or not weights.is_file():
-        raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} in {folder}")
+        raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {weights.name} in {folder}")
     meta = json.loads(config_file.read_text())
     config = ModelArgs(**meta["model"])
     if config.dim != target_config.dim:
@@ -103,10 +108,12 @@ def load_draft(path, target_config: ModelArgs, device="cpu", dtype=torch.float32
     with torch.device("meta"):
         draft = EagleDraft(config, fc_bias=meta["fc_bias"])
     try:
-        draft.load_state_dict(load_file(str(weights)), assign=True)
+        state_dict = load_file(str(weights))
+        quantize.prepare_for_loading(draft, state_dict, weights)  # int8/int4 layers, when the file has them
+        draft.load_state_dict(state_dict, assign=True)
     except (RuntimeError, SafetensorError) as e:
         raise ValueError(f"{weights} does not match {config_file}: {e}") from None
-    return draft.to(device=device, dtype=dtype).eval()
+    return quantize.pack_int4(draft.to(device=device, dtype=dtype).eval())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,8 +160,7 @@ def grow_dynamic_tree(draft: EagleDraft, embed, head, root: Tensor, root_hidden:
     for d in range(1, depth):
         sees = frontier_sees | own_slot[(d - 1) * k: d * k]
         hidden = draft(embed(frontier_tokens), frontier_features, (prefix_len + d - 1)[:, None],
-                       region_start + (d - 1) * k + torch.arange(k, device=device),
-                       tree_attention_mask(sees, prefix_len, draft.max_seq_length))
+                       region_start + (d - 1) * k + torch.arange(k, device=device), TreeMask(prefix_len, sees))
         child_tokens, child_scores = expand(frontier_scores, _draft_logp(head, hidden), k)  # [B, k * k]
         pool_tokens.append(child_tokens)
         pool_scores.append(child_scores)
@@ -199,7 +205,7 @@ def grow_static_tree(draft: EagleDraft, embed, head, tree: StaticTree, root: Ten
         hidden[:, level.start:level.stop] = draft(
             embed(tokens[:, level.start:level.stop]), hidden[:, parents[level.start:level.stop]],
             (prefix_len + d - 1)[:, None], region_start + idx - 1,
-            tree_attention_mask(sees_all[idx].expand(B, -1, -1), prefix_len, draft.max_seq_length))
+            TreeMask(prefix_len, sees_all[idx].expand(B, -1, -1)))
     node_depth = tree.depth.to(device).expand(B, T)
     return Tree(tokens, parents.expand(B, T), node_depth, tree.ancestors.to(device).expand(B, T, T),
                 tree.paths.to(device).expand(B, T, -1))

@@ -10,6 +10,7 @@ an end-of-turn token.
 import argparse
 import json
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,8 +21,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree
-from model import ModelArgs, Transformer
-from tree import Tree, tree_attention_mask
+from model import ModelArgs, Transformer, TreeMask, set_attention_backend
+from tree import Tree
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
 
@@ -285,7 +286,7 @@ class Speculator(nn.Module):
         region_start = target.max_seq_length - self.n_nodes
         logits, features, _ = target(
             tree.tokens, L[:, None] + tree.depth, region_start + torch.arange(self.n_nodes, device=device),
-            tree_attention_mask(tree.ancestors, L, target.max_seq_length), return_features=True)
+            TreeMask(L, tree.ancestors), return_features=True)
 
         # 4. Accept: the path to `node` (n_accepted guesses), then the target's own next token.
         node, n_accepted, bonus = accept(tree, logits, *self.sampling)
@@ -342,11 +343,113 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
 
 
 # ---------------------------------------------------------------------------------------------
+# --tree_tokens auto. A round that verifies T nodes costs round(T) seconds and emits tau(T)
+# tokens, where vanilla decoding spends one step per token. On a GPU that is bound by reading the
+# weights, verifying 60 tokens costs little more than one; on a CPU, which is bound by arithmetic,
+# the cost grows with T and a big tree can be slower than no tree at all.
+# ---------------------------------------------------------------------------------------------
+AUTO_TREE_SIZES = (4, 8, 16, 32, 64, 128)
+AUTO_MIN_SPEEDUP = 1.1  # the predicted speedup a tree must reach to be used instead of vanilla decoding
+
+
+def choose_tree_tokens(step_s: float, rounds: dict, min_speedup: float = AUTO_MIN_SPEEDUP):
+    """The rule of --tree_tokens auto, a pure function of measured costs.
+
+    step_s: seconds per vanilla decode step; rounds: {tree size T: (seconds per round, tokens per
+    round)}. A round emits tau(T) tokens for which vanilla decoding would take tau(T) steps, so
+    the predicted speedup is tau(T) * step_s / round_s(T). Returns (the size with the best
+    prediction, or None for vanilla decoding when even the best is below min_speedup, and
+    {T: predicted speedup}). The margin covers measurement noise and what a few rounds leave out,
+    so that a close call goes to vanilla: a wrong choice must not make decoding slower."""
+    predicted = {T: tau * step_s / seconds for T, (seconds, tau) in sorted(rounds.items())}
+    best = max(predicted, key=predicted.get, default=None)
+    return (best if best is not None and predicted[best] >= min_speedup else None), predicted
+
+
+@torch.no_grad()
+def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TREE_SIZES, *, tree_top_k: int = 10,
+                       tree_depth: int = 6, n_rounds: int = 3, temperature: float = 0.0, top_k=None, top_p=None):
+    """Eager timings for choose_tree_tokens on this hardware: (seconds per vanilla decode step,
+    {T: (seconds per round, tokens per round)}) for the EAGLE-2 tree sizes in `sizes` that
+    tree_top_k and tree_depth allow, smallest first. Each size runs n_rounds + 1 rounds from the
+    prompt [1, L]; times are medians after the first; tokens per round estimate tau on this prompt.
+    Sizes stop once a round costs so much that even tree_depth + 1 tokens, the most a round can
+    emit, would not make it AUTO_MIN_SPEEDUP faster: larger trees only cost more. Eager, not
+    compiled, because compiling every size would take minutes; where eager mode is slow to launch
+    kernels (a GPU), it overstates what a round costs more than what a step does, which errs
+    toward vanilla. On a 2-core CPU the opposite was measured (a compiled round cost 3.1 steps,
+    an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little."""
+    device, L = str(prompt.device), prompt.size(1)
+    sampling = (temperature, top_k, top_p)
+    most = 1 + tree_top_k + (tree_depth - 1) * tree_top_k ** 2
+    budget = (n_rounds + 1) * (tree_depth + 1) + 1  # more than the rounds can emit: no row stops
+
+    def median_seconds(fn):
+        times = []
+        for _ in range(n_rounds + 1):
+            device_sync(device)
+            t = time.perf_counter()
+            fn()
+            device_sync(device)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+
+    model.setup_caches(1, L + budget)
+    token = prefill(model, prompt, *sampling)
+    input_pos = torch.tensor([L], device=prompt.device)
+
+    def step():
+        nonlocal token
+        token = decode_one_token(model, token.clone(), input_pos, *sampling)
+        input_pos.add_(1)
+
+    step_s = median_seconds(step)
+    rounds = {}
+    for T in sorted(T for T in sizes if 2 <= T <= most):
+        spec = Speculator(model, draft, tree_top_k=tree_top_k, tree_depth=tree_depth, tree_tokens=T,
+                          temperature=temperature, top_k=top_k, top_p=top_p)
+        spec.setup(1, L + budget + 2 * (tree_depth + 1))
+        spec.prefill(prompt, budget)
+        seconds = median_seconds(spec.round)
+        rounds[T] = (seconds, (int(spec.n_out[0]) - 1) / (n_rounds + 1))
+        if (tree_depth + 1) * step_s / seconds < AUTO_MIN_SPEEDUP:
+            break
+    return step_s, rounds
+
+
+def auto_tree_tokens(model: Transformer, draft, prompt_ids, *, tree_top_k: int = 10, tree_depth: int = 6,
+                     **sampling) -> Optional[int]:
+    """--tree_tokens auto: measure (a few seconds), choose, and say what was chosen and why.
+    Returns the tree size, or None for vanilla decoding."""
+    if not prompt_ids:
+        raise ValueError("--tree_tokens auto measures on a prompt; none was given")
+    prompt = torch.tensor([list(prompt_ids)], device=model.norm.weight.device)
+    t = time.perf_counter()
+    step_s, rounds = measure_tree_costs(model, draft, prompt, tree_top_k=tree_top_k, tree_depth=tree_depth, **sampling)
+    choice, predicted = choose_tree_tokens(step_s, rounds)
+    print(f"--tree_tokens auto: measured for {time.perf_counter() - t:.1f} s; a vanilla step takes {step_s * 1e3:.1f} ms",
+          file=sys.stderr)
+    for T, speedup in predicted.items():
+        seconds, tau = rounds[T]
+        print(f"  {T:4d} tree tokens: a round costs {seconds / step_s:5.2f} steps and emitted {tau:.2f} tokens "
+              f"-> predicted speedup {speedup:.2f}x", file=sys.stderr)
+    if choice is None:
+        print(f"--tree_tokens auto: no tree size is predicted to be {AUTO_MIN_SPEEDUP}x faster than vanilla decoding "
+              f"on this hardware: decoding without speculation", file=sys.stderr)
+    else:
+        print(f"--tree_tokens auto: chose {choice} tree tokens (predicted {predicted[choice]:.2f}x)", file=sys.stderr)
+    return choice
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading and reporting
 # ---------------------------------------------------------------------------------------------
 def load_model(checkpoint_path, device, dtype) -> Transformer:
-    """model.pth as written by convert_hf_checkpoint.py; config from model_config.json beside it
+    """model.pth as written by convert_hf_checkpoint.py, or model_int8.pth / model_int4.gNN.pth
+    written by quantize.py (the mode is in the name); config from model_config.json beside it
     or from the folder's name."""
+    import quantize
+
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
         raise FileNotFoundError(
@@ -356,26 +459,34 @@ def load_model(checkpoint_path, device, dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(config)
     state_dict = torch.load(checkpoint_path, mmap=True, weights_only=True, map_location="cpu")
-    if config.tie_embeddings:
+    quantize.prepare_for_loading(model, state_dict, checkpoint_path)  # int8/int4 layers, when the file has them
+    tied = config.tie_embeddings and "output.weight" not in state_dict  # a quantized head is its own copy
+    if tied:
         state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
     try:
         model.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{checkpoint_path} does not fit its config {config}:\n{e}") from None
-    if config.tie_embeddings:  # assign=True replaced the shared Parameter by two; share it again
+    if tied:  # assign=True replaced the shared Parameter by two; share it again
         model.output.weight = model.tok_embeddings.weight
-    return model.to(device=device, dtype=dtype).eval()
+    return quantize.pack_int4(model.to(device=device, dtype=dtype).eval())
 
 
 def model_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights read by one decode step: every parameter except the embedding table, of
-    which a step reads one row (unless it doubles as the LM head)."""
+    which a step reads one row (unless it doubles as the LM head), and of mixture-of-experts
+    weights only the k of E experts the token is routed to. The state dict, not the parameters:
+    quantized weights and their scales are buffers."""
     seen, total = set(), 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen or (name == "tok_embeddings.weight" and not model.config.tie_embeddings):
+    c = model.config
+    for name, p in model.state_dict(keep_vars=True).items():
+        if id(p) in seen or (name == "tok_embeddings.weight" and model.output.weight is not p):
             continue
         seen.add(id(p))
-        total += p.numel() * p.element_size()
+        size = p.numel() * p.element_size()
+        # an expert stack's weight, or its int8 scales
+        experts = c.num_experts and name.rsplit(".", 1)[0].endswith(("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+        total += size * c.num_activated_experts // c.num_experts if experts else size
     return total
 
 
@@ -413,6 +524,15 @@ def compile_round(spec: Speculator, compile_prefill: bool):
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
+def _tree_tokens_arg(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {value!r}") from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct/model.pth"))
@@ -439,9 +559,14 @@ def parse_args(argv=None):
                    help="EAGLE draft folder (default: the eagle/ folder beside the checkpoint)")
     g.add_argument("--tree_top_k", type=int, default=10, help="eagle2: children per expanded node")
     g.add_argument("--tree_depth", type=int, default=6, help="eagle2: levels of draft guesses")
-    g.add_argument("--tree_tokens", type=int, default=60, help="eagle2: nodes verified per round, root included")
+    g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=60,
+                   help="eagle2: nodes verified per round, root included; auto: measure this hardware and pick "
+                        "the size predicted to be fastest, or vanilla decoding if none wins (see auto_tree_tokens)")
     g.add_argument("--tree", type=Path, default=None,
                    help="eagle: JSON list of child-rank paths for the static tree (default: mc_sim_7b_63)")
+    g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
+                   help="tree attention: triton = the fused kernel of tree_attention.py (CUDA only), sdpa = SDPA "
+                        "with dense masks; auto: triton on CUDA when triton is installed, else sdpa")
     args = p.parse_args(argv)
 
     errors = []
@@ -461,8 +586,12 @@ def parse_args(argv=None):
         errors.append(f"--prompt_file not found: {args.prompt_file}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         errors.append(f"--device {args.device} requested but CUDA is not available")
+    if args.attention == "triton" and not args.device.startswith("cuda"):
+        errors.append(f"--attention triton runs on CUDA, not on --device {args.device} (use --attention sdpa)")
     if args.tree is not None and args.speculate != "eagle":
         errors.append("--tree sets the static tree of --speculate eagle")
+    if args.tree_tokens == "auto" and args.speculate == "eagle":
+        errors.append("--tree_tokens auto sizes the dynamic tree of --speculate eagle2; eagle's static tree has a fixed size")
     if args.tree is not None and not args.tree.is_file():
         errors.append(f"--tree file not found: {args.tree}")
     if args.speculate != "none":
@@ -478,11 +607,12 @@ def parse_args(argv=None):
     return args
 
 
-def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int):
+def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_ids=None):
     """A function prompt_ids, max_new_tokens, callback -> (new ids, tokens per round or None)
     for the decoding method the command line asks for, compiled if asked. Caches are allocated
     here, once, for prompt + new tokens up to max_seq_length, so that no later call changes a
-    compiled shape."""
+    compiled shape. probe_ids: the prompt that --tree_tokens auto measures on; when it picks no
+    tree, args.speculate becomes "none"."""
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
@@ -491,13 +621,22 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int):
 
         def decode(prompt_ids, max_new_tokens, callback=None):
             prompt = torch.tensor([prompt_ids], device=args.device)
-            return generate(model, prompt, max_new_tokens, stop_ids=stop_ids, callback=callback, **sampling)[0], None
+            # the step functions are passed explicitly: compile_decoding rebinds the module's names,
+            # and generate()'s defaults still hold the uncompiled ones
+            return generate(model, prompt, max_new_tokens, stop_ids=stop_ids, callback=callback,
+                            prefill_fn=prefill, decode_fn=decode_one_token, **sampling)[0], None
         return decode
 
     from draft import load_draft
     from tree import mc_sim_7b_63, static_tree
 
     draft = load_draft(args.draft_checkpoint_path, model.config, args.device, model.norm.weight.dtype)
+    if args.tree_tokens == "auto":
+        args.tree_tokens = auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
+                                            tree_depth=args.tree_depth, **sampling)
+        if args.tree_tokens is None:
+            args.speculate = "none"
+            return make_decoder(args, model, stop_ids, max_seq_length)
     static = None
     if args.speculate == "eagle":
         static = static_tree(json.loads(args.tree.read_text()) if args.tree else mc_sim_7b_63)
@@ -524,6 +663,7 @@ def main(argv=None):
     device, dtype = args.device, getattr(torch, args.dtype)
     t0 = time.perf_counter()
     try:
+        args.attention = set_attention_backend(args.attention, device)
         model = load_model(args.checkpoint_path, device, dtype)
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
     except (FileNotFoundError, ValueError) as e:
@@ -533,7 +673,8 @@ def main(argv=None):
 
     if args.interactive:
         context = min(model.config.block_size, 4096)
-        return interactive(make_decoder(args, model, tokenizer.stop_ids, context), context, tokenizer, args)
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! What can you help me with?"}])
+        return interactive(make_decoder(args, model, tokenizer.stop_ids, context, probe), context, tokenizer, args)
 
     text = args.prompt_file.read_text() if args.prompt_file else (args.prompt or "Hello, my name is")
     if args.chat:
@@ -545,7 +686,7 @@ def main(argv=None):
         sys.exit(f"error: the prompt has {len(prompt_ids)} tokens; with --max_new_tokens {args.max_new_tokens} "
                  f"that is {needed}, more than the model's context of {model.config.block_size} tokens")
     try:
-        decode = make_decoder(args, model, tokenizer.stop_ids, needed)
+        decode = make_decoder(args, model, tokenizer.stop_ids, needed, prompt_ids)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 
@@ -577,7 +718,7 @@ def main(argv=None):
     mean_tok_s = sum(s["tokens_per_s"] for s in samples) / len(samples)
     report = {"checkpoint": str(args.checkpoint_path), "prompt_ids": prompt_ids, "samples": samples,
               "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else device,
-              "dtype": args.dtype, "compiled": args.compile, "speculate": args.speculate,
+              "dtype": args.dtype, "compiled": args.compile, "speculate": args.speculate, "attention": args.attention,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "tokens_per_s": mean_tok_s}
     print(f"Average tokens/s: {mean_tok_s:.2f}", file=sys.stderr)

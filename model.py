@@ -1,31 +1,37 @@
-"""A LLaMA-family decoder (LLaMA-2/3/3.1, Vicuna, Mistral, Qwen2, SmolLM2) with a static KV cache.
+"""A LLaMA-family decoder (LLaMA-2/3/3.1, Vicuna, Mistral, Mixtral, Qwen2, SmolLM2) with a static KV cache.
 
-One file, read top to bottom: config, KV cache, transformer, attention, feed-forward, RoPE.
+One file, read top to bottom: config, KV cache, transformer, attention, feed-forward (dense or
+mixture of experts), RoPE.
 
 The forward pass takes three things that plain decoding conflates, separately:
 
     input_pos  [B, T]  the RoPE position of each token
     cache_pos  [B, T]  the KV-cache slot each token's K/V is written to
-    mask       [B, T, S] which of the S cache slots each token attends to
+    mask       [B, T, S] which of the S cache slots each token attends to (or a TreeMask)
 
 For prefill and one-token decode they coincide (slot = position, causal mask). Tree verification
-is why they are separate: a tree of T candidate tokens sits in T consecutive slots after the
-prefix, but its positions are prefix_len + depth and each node sees the prefix and its own
-ancestors only. Positions and slots are per row of the batch, so rows may hold prefixes of
+is why they are separate: a tree of T candidate tokens sits in T fixed slots at the end of the
+cache (its tree region), but its positions are prefix_len + depth and each node sees the prefix
+and its own ancestors only. Positions and slots are per row of the batch, so rows may hold prefixes of
 different lengths (batched speculative decoding).
 
 Weights are laid out as in Hugging Face checkpoints: q/k use the rotate-half RoPE convention.
 """
+import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+# torch._dynamo skips a module named "tree" (it takes it for the dm-tree library): compile a forward
+# that is given a TreeMask under torch._dynamo.dont_skip_tracing, as generate.compile_round does.
+from tree import tree_attention_mask
 
 CONFIG_FILE = "model_config.json"  # written by convert_hf_checkpoint.py beside model.pth
 
@@ -60,6 +66,9 @@ class ModelArgs:
             self.intermediate_size = 256 * ((hidden + 255) // 256)
         if self.n_head % self.n_local_heads:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
+        if self.num_experts and not 1 <= self.num_activated_experts <= self.num_experts:
+            raise ValueError(f"num_activated_experts={self.num_activated_experts} must be in [1, num_experts="
+                             f"{self.num_experts}]")
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -110,6 +119,9 @@ transformer_configs = {
     # Mistral (v0.1: sliding-window attention over 4096 tokens)
     "mistral-7b": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
                        sliding_window=4096),
+    # Mixtral (sparse mixture of experts: 8 SwiGLU experts per layer, 2 active per token)
+    "Mixtral-8x7B-v0.1": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                              intermediate_size=14336, rope_base=1000000.0, num_experts=8, num_activated_experts=2),
     # SmolLM2 (tied embeddings)
     "SmolLM2-135M": dict(block_size=8192, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536,
                          vocab_size=49152, rope_base=100000.0, tie_embeddings=True),
@@ -133,9 +145,12 @@ transformer_configs = {
                                              original_max_position_embeddings=64)),
     "tiny-qwen2": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
                        vocab_size=512, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6),
+    "tiny-mixtral": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                         vocab_size=512, rope_base=1000000.0, num_experts=4, num_activated_experts=2),
 }
 for _size in ("0.5B", "1.5B", "7B"):
     transformer_configs[f"Qwen2.5-Coder-{_size}"] = transformer_configs[f"Qwen2.5-{_size}"]
+transformer_configs["Mixtral-8x7B-Instruct-v0.1"] = transformer_configs["Mixtral-8x7B-v0.1"]
 
 
 class KVCache(nn.Module):
@@ -149,22 +164,29 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
-        # cache_pos [B, T]; k, v [B, H, T, D]. scatter_ writes row b's tokens into row b's own slots.
-        B, H, T, D = k.shape
-        index = cache_pos[:, None, :, None].expand(B, H, T, D)
-        self.k_cache[:B].scatter_(2, index, k)
-        self.v_cache[:B].scatter_(2, index, v)
-        return self.k_cache[:B], self.v_cache[:B]
+        # cache_pos [B, T]; k, v [B, H, T, D]: row b's tokens go to row b's own slots. (Indexed
+        # assignment rather than scatter_: the same on GPU, and 50x faster in bf16 on CPU.)
+        rows = torch.arange(k.size(0), device=k.device)[:, None]
+        self.k_cache[rows, :, cache_pos] = k.transpose(1, 2)
+        self.v_cache[rows, :, cache_pos] = v.transpose(1, 2)
+        return self.k_cache[:k.size(0)], self.v_cache[:k.size(0)]
 
     def copy_slots(self, src: Tensor, dst: Tensor):
         """Copy row b's entries in slots src[b] to slots dst[b] (both [B, n]); all reads happen
         before any write, so the two may overlap. Speculative decoding moves accepted tree nodes
         down to the end of the prefix with this."""
-        B, n = src.shape
-        for cache in (self.k_cache[:B], self.v_cache[:B]):
-            H, D = cache.size(1), cache.size(3)
-            moved = cache.gather(2, src[:, None, :, None].expand(B, H, n, D))
-            cache.scatter_(2, dst[:, None, :, None].expand(B, H, n, D), moved)
+        rows = torch.arange(src.size(0), device=src.device)[:, None]
+        for cache in (self.k_cache, self.v_cache):
+            cache[rows, :, dst] = cache[rows, :, src]
+
+
+class TreeMask(NamedTuple):
+    """The mask of tree queries, compact. Query i of row b sees the prefix, slots < prefix_len[b],
+    and those slots of the tree region, the last R = visible.size(-1) slots of the cache, that
+    visible[b, i] marks; never the slots in between. Accepted wherever a dense [B, T, S] mask is:
+    attention() hands it to the fused kernel (tree_attention.py) or materialises it for SDPA."""
+    prefix_len: Tensor  # [B] long
+    visible: Tensor     # [B, T, R] bool
 
 
 class Transformer(nn.Module):
@@ -194,9 +216,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
-                mask: Optional[Tensor] = None, return_features: bool = False, layer_ids=()):
+                mask=None, return_features: bool = False, layer_ids=()):
         """idx [B, T] token ids; input_pos [B, T] (or [T], shared by all rows) RoPE positions;
-        cache_pos: slots to write, default = input_pos; mask [B, T, S] bool, default causal by slot.
+        cache_pos: slots to write, default = input_pos; mask [B, T, S] bool or a TreeMask, default
+        causal by slot.
 
         Returns logits [B, T, vocab]; with return_features or layer_ids, the tuple
         (logits, features, layer_inputs): features is the final post-norm hidden state that the
@@ -211,6 +234,8 @@ class Transformer(nn.Module):
         if mask is None:
             mask = slots <= cache_pos[..., None]
         if self.config.sliding_window is not None:
+            if isinstance(mask, TreeMask):  # the fused kernel knows no window: the dense path
+                mask = tree_attention_mask(mask.visible, mask.prefix_len, self.max_seq_length)
             # Keys older than the window are hidden. A prefix slot's position is its index; the
             # tree region's slots lie past every position and pass, as the newest tokens should.
             mask = mask & (slots > input_pos[..., None] - self.config.sliding_window)
@@ -233,7 +258,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelArgs):
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoEFeedForward(config) if config.num_experts else FeedForward(config)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
@@ -265,11 +290,53 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+# The attention backend, one switch for the process (generate.py sets it from --attention): while
+# it is "triton" this holds the tree_attention module, whose fused kernel then serves every TreeMask
+# on CUDA tensors (and on any device under TRITON_INTERPRET=1, as in the tests); otherwise None.
+_tree_kernel = None
+
+
+def set_attention_backend(backend: str, device="cuda") -> str:
+    """"sdpa": SDPA over dense masks everywhere; "triton": the fused tree kernel for TreeMasks;
+    "auto": triton when device is CUDA and triton imports, else sdpa. Returns the backend chosen."""
+    global _tree_kernel
+    if backend not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"attention backend must be auto, sdpa or triton, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if str(device).startswith("cuda") and importlib.util.find_spec("triton") else "sdpa"
+    _tree_kernel = None
+    if backend == "triton":
+        try:
+            import tree_attention
+        except ImportError as e:
+            raise ValueError(f"the triton attention backend needs triton (Linux x86-64 with CUDA): {e}") from None
+        _tree_kernel = tree_attention
+    return backend
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """The one place where queries meet the cache. q [B, H, T, D]; k, v [B, KV, S, D] (GQA: H is a
-    multiple of KV, never materialised); mask [B, T, S] bool. Every attention call goes through
-    here, so a fused kernel can replace it for all callers at once."""
+    multiple of KV, never materialised); mask [B, T, S] bool or a TreeMask. Every attention call
+    goes through here, so a fused kernel can replace it for all callers at once."""
+    if isinstance(mask, TreeMask):
+        if _tree_kernel is not None and (q.is_cuda or _tree_kernel.INTERPRETED):
+            return _tree_kernel.tree_attention(q, k, v, mask.prefix_len, mask.visible)
+        mask = tree_attention_mask(mask.visible, mask.prefix_len, k.size(2))
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        return _matmul_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention as two matmuls and a float32 softmax, for bf16/fp16 on CPU, where SDPA with a mask
+    is 5-15x slower (torch 2.13, AVX512). The H // KV query heads that share a KV head are stacked
+    as rows of one matmul, so K/V are not repeated."""
+    B, H, T, D = q.shape
+    KV = k.size(1)
+    scores = (q.reshape(B, KV, H // KV * T, D) @ k.transpose(-1, -2)).float() * D ** -0.5
+    scores = scores.view(B, KV, H // KV, T, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, KV, H // KV * T, -1)
+    return (probs @ v).view(B, H, T, D)
 
 
 class FeedForward(nn.Module):
@@ -283,6 +350,76 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Mixtral's sparse mixture of experts: a router (gate) picks num_activated_experts (k) of the
+    num_experts (E) SwiGLU experts for each token and mixes their outputs; w1, w3, w2 hold the
+    experts' gate_proj, up_proj, down_proj, as in FeedForward, each stacked into one Experts.
+
+    The experts run one of two ways, chosen from static shapes, so both are free of data-dependent
+    shapes and host syncs and compile into the same single graph:
+      gathered  index each token's k experts and apply them: reads N * k expert matrices for N
+                tokens (a token reads its experts even when another token shares them: shapes
+                cannot depend on which experts were chosen).
+      dense     run every expert on every token and weight the outputs by the routing weights,
+                zero except for each token's k experts: reads each expert once, at E / k times
+                the useful arithmetic.
+    At batch size 1 decoding is bound by reading weights, so the rule is: whichever reads fewer.
+    A decode step (N = 1) gathers 2 of 8 experts; tree verification (N = 60 tokens, which hit
+    nearly every expert anyway) and prefill run dense. For a long prefill that is 4x the FFN
+    arithmetic, a one-off cost per prompt; grouping tokens by expert, as serving systems do,
+    would need data-dependent shapes."""
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        E, D, I = config.num_experts, config.dim, config.intermediate_size
+        self.num_experts, self.top_k = E, config.num_activated_experts
+        self.gate = nn.Linear(D, E, bias=False)
+        self.w1, self.w3, self.w2 = Experts(E, D, I), Experts(E, D, I), Experts(E, I, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]: the tokens of all rows
+        # Mixtral's routing: softmax over all experts in float32, keep the top k, renormalise them.
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        if x.size(0) * self.top_k < self.num_experts:
+            return self.gathered(x, experts, weights).view(shape)
+        return self.dense(x, experts, weights).view(shape)
+
+    def gathered(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """x [N, D], experts and weights [N, k] -> [N, D], reading each token's k experts."""
+        x = x[:, None].expand(-1, self.top_k, -1)  # [N, k, D]
+        h = F.silu(self.w1.gathered(x, experts)) * self.w3.gathered(x, experts)
+        return torch.einsum("nkd,nk->nd", self.w2.gathered(h, experts), weights)
+
+    def dense(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """x [N, D], experts and weights [N, k] -> [N, D], running all E experts on all tokens."""
+        routing = torch.zeros(x.size(0), self.num_experts, dtype=x.dtype, device=x.device)
+        routing = routing.scatter(1, experts, weights)  # [N, E]
+        x = x.expand(self.num_experts, -1, -1)  # [E, N, D]
+        h = F.silu(self.w1.dense(x)) * self.w3.dense(x)
+        return torch.einsum("end,ne->nd", self.w2.dense(h), routing)
+
+
+class Experts(nn.Module):
+    """E bias-free linear maps of one shape, weight [E, out, in]: the mixture-of-experts analogue of
+    nn.Linear, and like it a module of its own so that quantize.py can swap it for an int8 one."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        nn.init.uniform_(self.weight, -in_features ** -0.5, in_features ** -0.5)  # nn.Linear's default
+
+    def gathered(self, x: Tensor, experts: Tensor) -> Tensor:
+        """x [N, k, in]: each token's input to each of its experts, experts [N, k] -> [N, k, out]."""
+        return torch.einsum("nki,nkoi->nko", x, self.weight[experts])
+
+    def dense(self, x: Tensor) -> Tensor:
+        """x [E, N, in]: every token's input to every expert -> [E, N, out]."""
+        return torch.einsum("eni,eoi->eno", x, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -64,6 +64,7 @@ TOKENIZER_STYLES = {
             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
     ),
 }
+TOKENIZER_STYLES["mixtral"] = TOKENIZER_STYLES["mistral"]  # Mixtral-Instruct shares Mistral's tokenizer
 
 
 def train_byte_level_bpe(style: dict, vocab_size: int = 512):
@@ -94,7 +95,7 @@ def train_byte_level_bpe(style: dict, vocab_size: int = 512):
 
 
 def _hf_config(arch: str, token_ids: dict, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -109,8 +110,11 @@ def _hf_config(arch: str, token_ids: dict, **overrides):
     elif arch == "qwen2":  # q/k/v biases, tied embeddings, and an inactive sliding_window value
         cls, extra = Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False, sliding_window=4096,
                                        rms_norm_eps=1e-6, eos_token_id=token_ids["<|im_end|>"])
+    elif arch == "mixtral":  # 4 experts, 2 active per token; no sliding window, as in the real Mixtral
+        cls, extra = MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0,
+                                         bos_token_id=token_ids["<s>"], eos_token_id=token_ids["</s>"])
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}: llama, mistral or qwen2")
+        raise ValueError(f"unknown tiny arch {arch!r}: llama, mistral, mixtral or qwen2")
     return cls(**{**common, **extra, **overrides})
 
 
@@ -141,7 +145,8 @@ def tiny_hf_checkpoint(tmp_path_factory):
     """Factory: tiny_hf_checkpoint(arch, weights="safetensors", **config_overrides) -> Path.
 
     A random LlamaForCausalLM ("llama": GQA 4/2 heads, llama3 RoPE scaling), MistralForCausalLM
-    ("mistral": sliding window 16) or Qwen2ForCausalLM ("qwen2": q/k/v biases, tied embeddings),
+    ("mistral": sliding window 16), MixtralForCausalLM ("mixtral": 4 experts, top-2, hub layout
+    block_sparse_moe.experts.N.w1/w2/w3) or Qwen2ForCausalLM ("qwen2": q/k/v biases, tied embeddings),
     hidden 64, 2 layers, vocab 512, saved with save_pretrained next to a tiny byte-level BPE
     tokenizer of that family's style (tokenizer.json, tokenizer_config.json with a chat template).
     weights: "safetensors", "sharded-safetensors" or "sharded-bin". config_overrides go to the HF

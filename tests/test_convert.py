@@ -364,3 +364,90 @@ def test_refuses_to_overwrite_without_force(tiny_hf_checkpoint, capsys):
 def test_cli_reports_errors_without_traceback(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: no such folder: .*nowhere$"):
         main(["--checkpoint_dir", str(tmp_path / "nowhere")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Published EAGLE-1/2 heads (reference layout)
+# ---------------------------------------------------------------------------------------------
+def write_reference_eagle_head(draft, folder, safetensors: bool, embed=None):
+    """The layout of EAGLE's repository: a LLaMA config.json with one layer; fc, layers.0.* with
+    separate q/k/v, no input_layernorm, and optionally a copy of the target's embedding."""
+    c = draft.config
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_base, "max_position_embeddings": c.block_size, "vocab_size": c.vocab_size,
+        "torch_dtype": "float32", "bias": draft.fc_bias}))
+    sd = draft.state_dict()
+    q, k, v = sd["layer.attention.wqkv.weight"].split([c.n_head * c.head_dim] + [c.n_local_heads * c.head_dim] * 2)
+    tensors = {"fc.weight": sd["fc.weight"], "layers.0.self_attn.q_proj.weight": q,
+               "layers.0.self_attn.k_proj.weight": k, "layers.0.self_attn.v_proj.weight": v,
+               "layers.0.self_attn.o_proj.weight": sd["layer.attention.wo.weight"],
+               "layers.0.mlp.gate_proj.weight": sd["layer.feed_forward.w1.weight"],
+               "layers.0.mlp.up_proj.weight": sd["layer.feed_forward.w3.weight"],
+               "layers.0.mlp.down_proj.weight": sd["layer.feed_forward.w2.weight"],
+               "layers.0.post_attention_layernorm.weight": sd["layer.ffn_norm.weight"]}
+    if draft.fc_bias:
+        tensors["fc.bias"] = sd["fc.bias"]
+    if embed is not None:
+        tensors["embed_tokens.weight"] = embed
+    tensors = {name: t.clone().contiguous() for name, t in tensors.items()}
+    if safetensors:
+        from safetensors.torch import save_file
+        save_file(tensors, str(folder / "model.safetensors"))
+    else:
+        torch.save(tensors, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("fc_bias, safetensors", [(True, False), (False, True)])
+@torch.no_grad()
+def test_published_eagle_head_converts_to_the_same_draft(tmp_path, fc_bias, safetensors):
+    from conftest import random_draft, tiny_target
+    from convert_hf_checkpoint import convert_eagle
+    from draft import load_draft
+
+    target = tiny_target("tiny-llama")
+    draft = random_draft(target, fc_bias=fc_bias, std=0.1)
+    write_reference_eagle_head(draft, tmp_path / "head", safetensors, embed=target.tok_embeddings.weight)
+    assert main(["--eagle_dir", str(tmp_path / "head")]) is None
+    converted = load_draft(tmp_path / "head", target.config)
+    assert converted.fc_bias == fc_bias
+    for d in (draft, converted):
+        d.setup_caches(1, 16)
+    emb, feats = torch.randn(1, 7, 64), torch.randn(1, 7, 64)
+    torch.testing.assert_close(converted(emb, feats, torch.arange(7)), draft(emb, feats, torch.arange(7)))
+    with pytest.raises(FileExistsError, match="--force"):
+        convert_eagle(tmp_path / "head")
+
+
+def test_eagle_head_errors(tmp_path, capsys):
+    from conftest import random_draft, tiny_target
+    from convert_hf_checkpoint import convert_eagle
+    from draft import load_draft
+
+    target = tiny_target("tiny-llama")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        convert_eagle(tmp_path / "nothing")
+    # a head made for a wider target: converts, but does not fit this target
+    wide = tiny_target("tiny-llama", dim=128, n_head=4, head_dim=32)
+    write_reference_eagle_head(random_draft(wide), tmp_path / "wide", safetensors=True)
+    convert_eagle(tmp_path / "wide")
+    with pytest.raises(ValueError, match="hidden size 128, the target has 64"):
+        load_draft(tmp_path / "wide", target.config)
+    # an EAGLE-3 style fc over three layers' features is refused with a reason
+    write_reference_eagle_head(random_draft(target), tmp_path / "three", safetensors=True)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp_path / "three" / "model.safetensors"))
+    tensors["fc.weight"] = torch.zeros(64, 192)
+    save_file(tensors, str(tmp_path / "three" / "model.safetensors"))
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        convert_eagle(tmp_path / "three")
+    # a missing tensor, and the command line reports it without a traceback
+    tensors = load_file(str(tmp_path / "wide" / "model.safetensors"))
+    del tensors["layers.0.mlp.up_proj.weight"]
+    (tmp_path / "wide" / "draft.safetensors").unlink()
+    save_file(tensors, str(tmp_path / "wide" / "model.safetensors"))
+    with pytest.raises(SystemExit, match="lacks the tensor layers.0.mlp.up_proj.weight"):
+        main(["--eagle_dir", str(tmp_path / "wide"), "--force"])

@@ -125,3 +125,18 @@ def test_forward_without_caches_is_a_clear_error():
     model = Transformer(ModelArgs.from_name("tiny-llama"))
     with pytest.raises(RuntimeError, match="setup_caches"):
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+
+
+def test_cpu_half_precision_attention_path_equals_sdpa():
+    """bf16/fp16 attention on CPU runs as plain matmuls (SDPA is slow there): same result."""
+    import torch.nn.functional as F
+    from model import _matmul_attention, attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 5, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    mask = torch.rand(2, 5, 30) > 0.3
+    mask[..., 0] = True  # every query sees something
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    torch.testing.assert_close(_matmul_attention(q, k, v, mask), reference, atol=1e-5, rtol=1e-5)
+    half = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    torch.testing.assert_close(half.float(), reference, atol=3e-2, rtol=3e-2)

@@ -1,0 +1,476 @@
+"""Weight-only int8 and int4 quantization of a model.py Transformer or an EAGLE draft (gpt-fast style).
+
+    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int8
+    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
+    python quantize.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
+
+write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming), or
+draft_int8.safetensors / draft_int4.g32.safetensors beside draft.safetensors. generate.py and
+draft.load_draft read the mode from the file name and check it against the file's contents:
+
+    python generate.py --checkpoint_path checkpoints/NAME/model_int8.pth --speculate eagle2 \
+        --draft_checkpoint_path checkpoints/NAME/eagle/draft_int8.safetensors
+
+Every nn.Linear is replaced, the LM head included; a tied LM head (SmolLM2, small Qwen2) gets its
+own quantized copy and the embedding table stays in float, as do norms and biases.
+
+    int8  symmetric, one scale per output channel: W ~ q * s, q in [-127, 127].
+    int4  asymmetric, one scale and zero per group of `groupsize` input columns:
+          W ~ (q - 8) * s + z, q in [0, 15], the form torch's int4 matmul kernels take.
+
+Quantization is lossless in the sense that matters here: speculative decoding on a quantized
+target gives exactly the output of vanilla decoding on the same quantized target.
+
+int4 files are device-independent: they hold the 4-bit values two to a byte ([out, in / 2], even
+column in the high nibble) and are repacked into the layout of the device's kernel at load time
+(pack_int4), because torch's packed layouts differ between CPU and CUDA and across versions.
+"""
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import Experts
+
+GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept, on CPU and CUDA alike
+INT4_N_MULTIPLE = 16  # the CPU packing needs out_features % 16 == 0 (CUDA: % 8); rows are padded to it
+CPU_INT8_KERNEL_ROWS = 16  # up to this many rows, int8 layers on CPU use aten._weight_int8pack_mm
+
+
+# ---------------------------------------------------------------------------------------------
+# int8: symmetric per output channel
+# ---------------------------------------------------------------------------------------------
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., out, in] -> (q int8 [..., out, in], scales float32 [..., out]) with w ~ q * scales[..., None].
+    Any leading dims are kept, so a stack of expert weights [E, out, in] quantizes the same way."""
+    w = w.float()
+    scales = w.abs().amax(dim=-1).clamp(min=1e-10) / 127  # an all-zero row gets a tiny scale, not 0/0
+    q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
+    return q.float() * scales[..., None].float()
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """y = (x @ q^T) * scales + bias. The weight is read as int8, a quarter of float32's bytes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "WeightOnlyInt8Linear":
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        m.weight, m.scales = quantize_int8(linear.weight.detach())
+        m.scales = m.scales.to(linear.weight.dtype)
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        scales = self.scales.to(x.dtype)
+        if x.is_cpu and x.dtype != torch.float32 and x.numel() <= CPU_INT8_KERNEL_ROWS * self.in_features:
+            # torch's CPU kernel for int8 weights reads them as they are: measured 2-5x faster than
+            # casting the weight for a few rows (a decode step, a draft level), slower for many rows
+            # (tree verification) and in float32.
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            # gpt-fast's form: the int8 -> x.dtype cast (exact) fuses into the matmul's weight load
+            # under torch.compile, and the per-channel scale is applied to the few outputs.
+            y = F.linear(x, self.weight.to(x.dtype)) * scales
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class WeightOnlyInt8Experts(nn.Module):
+    """model.Experts (a mixture-of-experts' stacked weights [E, out, in]) in int8, one scale per
+    expert and output channel; the same gathered/dense interface, each computing
+    (x @ q^T) * scales like WeightOnlyInt8Linear."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(num_experts, out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(num_experts, out_features))
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> "WeightOnlyInt8Experts":
+        E, out_features, in_features = experts.weight.shape
+        m = cls(E, in_features, out_features)
+        m.weight, m.scales = quantize_int8(experts.weight.detach())
+        m.scales = m.scales.to(experts.weight.dtype)
+        return m
+
+    def gathered(self, x: Tensor, experts: Tensor) -> Tensor:
+        """x [N, k, in], experts [N, k] -> [N, k, out]."""
+        return torch.einsum("nki,nkoi->nko", x, self.weight[experts].to(x.dtype)) * self.scales[experts].to(x.dtype)
+
+    def dense(self, x: Tensor) -> Tensor:
+        """x [E, N, in] -> [E, N, out]."""
+        return torch.einsum("eni,eoi->eno", x, self.weight.to(x.dtype)) * self.scales[:, None].to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4: asymmetric per group of input columns, packed for torch's int4 matmul kernels
+# ---------------------------------------------------------------------------------------------
+def _check_groupsize(groupsize: int):
+    if groupsize not in GROUPSIZES:
+        raise ValueError(f"int4 groupsize must be one of {', '.join(map(str, GROUPSIZES))} "
+                         f"(what torch's int4 kernels accept), got {groupsize}")
+
+
+def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor]:
+    """w [out, in] with in % groupsize == 0 -> (q uint8 [out, in] in 0..15, scales_and_zeros
+    bfloat16 [in / groupsize, out, 2]) with w ~ (q - 8) * scale + zero per group.
+
+    Scale and zero are rounded to bfloat16 (the CUDA kernel takes nothing else) before q is
+    computed from them, so that q is the best code for the parameters actually used."""
+    _check_groupsize(groupsize)
+    out_features, in_features = w.shape
+    if in_features % groupsize:
+        raise ValueError(f"in_features {in_features} is not a multiple of groupsize {groupsize}: pad it first")
+    groups = w.float().reshape(out_features, in_features // groupsize, groupsize)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scales = ((hi - lo).clamp(min=1e-6) / 15).to(torch.bfloat16)
+    zeros = (lo + 8 * scales.float()).to(torch.bfloat16)  # the value code 8 stands for
+    lo = zeros.float() - 8 * scales.float()  # the value code 0 stands for, after rounding
+    q = torch.round((groups - lo[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return q.reshape(out_features, in_features).to(torch.uint8), scales_and_zeros
+
+
+def dequantize_int4(q: Tensor, scales_and_zeros: Tensor, groupsize: int) -> Tensor:
+    """Inverse of quantize_int4: float32 [out, in]."""
+    out_features, in_features = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [out, groups, 2]
+    groups = q.float().reshape(out_features, in_features // groupsize, groupsize)
+    return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(out_features, in_features)
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """uint8 [out, in] values 0..15 -> uint8 [out, in / 2], the even column in the high nibble
+    (the input layout of aten._convert_weight_to_int4pack since torch 2.5)."""
+    return (q[:, ::2] << 4) | q[:, 1::2]
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.size(0), -1)
+
+
+def int4_kernel(device: torch.device):
+    """(pack, matmul, compute dtype) for the int4 kernel of this device, or a clear error.
+
+    pack(nibbles uint8 [N, K / 2]) -> the device's packed weight; matmul(x [M, K], packed,
+    groupsize, scales_and_zeros [K / groupsize, N, 2]) -> [M, N]. The signatures moved:
+    CUDA's _convert_weight_to_int4pack took int32 [N, K] before torch 2.5 and uint8 [N, K / 2]
+    since; CPU got its own _for_cpu pair (int32 [N, K] input) in torch 2.6."""
+    aten, version = torch.ops.aten, tuple(int(v) for v in torch.__version__.split(".")[:2])
+    if device.type == "cpu":
+        if not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+            raise ValueError(f"int4 on CPU needs torch >= 2.6 (aten._weight_int4pack_mm_for_cpu); this is "
+                             f"torch {torch.__version__}: upgrade torch or use --mode int8")
+        # innerKTiles only shapes the CUDA layout; the CPU kernel takes any of 2, 4, 8.
+        return (lambda nibbles: aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).int(), 8),
+                aten._weight_int4pack_mm_for_cpu, None)  # None: the CPU kernel computes in x's dtype
+    if device.type == "cuda":
+        if not hasattr(aten, "_weight_int4pack_mm"):
+            raise ValueError(f"torch {torch.__version__} has no aten._weight_int4pack_mm: use --mode int8")
+        if torch.version.hip is None and torch.cuda.get_device_capability(device) < (8, 0):
+            raise ValueError(f"the int4 CUDA kernel needs compute capability >= 8.0 (Ampere or newer); "
+                             f"{torch.cuda.get_device_name(device)} has "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: use --mode int8")
+        uint8_input = version >= (2, 5)
+
+        def pack(nibbles):
+            K = nibbles.size(1) * 2
+            # innerKTiles sets how many 16-column k-tiles a thread reads at once; K must be a multiple
+            # of 16 * innerKTiles, so take the largest that divides K (K is a multiple of 32).
+            inner_k_tiles = next(t for t in (8, 4, 2) if K % (16 * t) == 0)
+            w = nibbles if uint8_input else unpack_nibbles(nibbles).int()
+            return aten._convert_weight_to_int4pack(w.contiguous(), inner_k_tiles)
+        return pack, aten._weight_int4pack_mm, torch.bfloat16  # the CUDA kernel is bfloat16 only
+    raise ValueError(f"int4 weights run on CPU or CUDA, not on {device.type}: use --mode int8")
+
+
+class WeightOnlyInt4Linear(nn.Module):
+    """y = x @ dequant(W)^T + bias with the 4-bit weight read by torch's int4 matmul kernel.
+
+    Sizes the kernels cannot take are padded: in_features up to a multiple of groupsize (zero
+    weight columns that meet zero-padded inputs), out_features up to a multiple of 16 (rows whose
+    outputs are dropped). The padding is stored in the file and counted in its size.
+
+    weight holds the portable nibbles ([out_pad, in_pad / 2]) until pack() replaces them by the
+    device's packed layout; forward needs the packed form. Files are written from unpacked layers
+    (quantize_model): a packed layer's state dict is tied to its device and torch version."""
+
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+        super().__init__()
+        _check_groupsize(groupsize)
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.in_padded = -(-in_features // groupsize) * groupsize
+        self.out_padded = -(-out_features // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
+        self.register_buffer("weight", torch.empty(self.out_padded, self.in_padded // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.empty(self.in_padded // groupsize, self.out_padded, 2,
+                                                             dtype=torch.bfloat16))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed_for: Optional[str] = None  # the device type weight is packed for, None: portable nibbles
+        self._matmul = None
+
+    @property
+    def padded(self) -> bool:
+        return (self.in_padded, self.out_padded) != (self.in_features, self.out_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, groupsize: int) -> "WeightOnlyInt4Linear":
+        m = cls(linear.in_features, linear.out_features, groupsize, linear.bias is not None)
+        w = F.pad(linear.weight.detach().float(), (0, m.in_padded - m.in_features, 0, m.out_padded - m.out_features))
+        q, m.scales_and_zeros = quantize_int4(w, groupsize)
+        m.weight = pack_nibbles(q)
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return m
+
+    def pack(self):
+        """Repack the nibbles for the kernel of the device they are on (after .to(device, dtype))."""
+        if self.packed_for is not None:
+            return
+        pack, self._matmul, dtype = int4_kernel(self.weight.device)
+        self.weight = pack(self.weight)
+        if dtype is not None:
+            self.scales_and_zeros = self.scales_and_zeros.to(dtype)
+        self.packed_for = self.weight.device.type
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed_for != x.device.type:
+            raise RuntimeError(f"int4 weights packed for {self.packed_for}, input on {x.device.type}: "
+                               f"call quantize.pack_int4(model) after moving the model to its device")
+        shape = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
+        if self.in_padded != self.in_features:
+            x2 = F.pad(x2, (0, self.in_padded - self.in_features))
+        y = self._matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
+        y = y.to(x.dtype).reshape(*shape, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        pad = f", padded to ({self.in_padded}, {self.out_padded})" if self.padded else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"groupsize={self.groupsize}, bias={self.bias is not None}{pad}")
+
+
+def pack_int4(model: nn.Module) -> nn.Module:
+    """Pack every int4 layer for the device it is on; call after model.to(device, dtype)."""
+    for m in model.modules():
+        if isinstance(m, WeightOnlyInt4Linear):
+            m.pack()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models: quantize in memory, and rebuild the quantized structure before loading a file
+# ---------------------------------------------------------------------------------------------
+def _swap_linears(model: nn.Module, make, kind=nn.Linear) -> list:
+    """Replace each nn.Linear (or module of type kind) `lin` named `name` for which make(name, lin)
+    gives a module; returns the names."""
+    swapped = []
+    for name, lin in list(model.named_modules()):
+        if isinstance(lin, kind):
+            new = make(name, lin)
+            if new is not None:
+                model.set_submodule(name, new)
+                swapped.append(name)
+    return swapped
+
+
+def quantize_model(model: nn.Module, mode: str, groupsize: int = 32) -> list:
+    """Replace every nn.Linear of model (a Transformer or an EagleDraft) by its int8 or int4
+    version, in place; int4 layers stay unpacked (pack_int4 packs them for their device).
+    Returns lines that say what was done. int8 also quantizes a mixture-of-experts' expert stacks
+    (model.Experts); the embedding table and norms stay as they are, and so do the expert stacks
+    in int4."""
+    if mode == "int8":
+        swapped = _swap_linears(model, lambda name, lin: WeightOnlyInt8Linear.from_linear(lin))
+        stacks = _swap_linears(model, lambda name, e: WeightOnlyInt8Experts.from_experts(e), kind=Experts)
+        notes = [f"int8 (per-channel): {len(swapped)} linear layers" + (f", {len(stacks)} expert stacks" if stacks else "")]
+    elif mode == "int4":
+        swapped = _swap_linears(model, lambda name, lin: WeightOnlyInt4Linear.from_linear(lin, groupsize))
+        notes = [f"int4 (groupsize {groupsize}): {len(swapped)} linear layers"]
+        padded = {}
+        for name in swapped:
+            m = model.get_submodule(name)
+            if m.padded:
+                key = f"[{m.out_features}, {m.in_features}] -> [{m.out_padded}, {m.in_padded}]"
+                padded.setdefault(key, []).append(name)
+        for key, names in padded.items():
+            notes.append(f"  padded {key} with zeros: {_summarize(names)}")
+    else:
+        raise ValueError(f"unknown quantization mode {mode!r}: int8 or int4")
+    floats = [n for n, p in model.named_parameters() if p.dim() >= 2]
+    if floats:
+        notes.append(f"  kept in float: {_summarize(floats)}")
+    return notes
+
+
+def _summarize(names: list) -> str:
+    """'layers.{0..29}.attention.wqkv' style: one entry per name pattern with the layer indices folded."""
+    groups = {}
+    for n in names:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", n), []).append(n)
+    return ", ".join(pattern if len(ns) > 1 else ns[0] for pattern, ns in groups.items()) + f" ({len(names)})"
+
+
+def mode_from_path(path) -> tuple:
+    """gpt-fast naming: '..._int8.pth' -> ("int8", None); '..._int4.g32.pth' -> ("int4", 32);
+    anything else -> (None, None), a float file."""
+    name = Path(path).name
+    if re.search(r"_int8\.", name):
+        return "int8", None
+    m = re.search(r"_int4\.g(\d+)\.", name)
+    if m:
+        return "int4", int(m.group(1))
+    return None, None
+
+
+def quantized_path(path, mode: str, groupsize: int) -> Path:
+    """model.pth -> model_int8.pth / model_int4.g32.pth (draft.safetensors likewise)."""
+    path = Path(path)
+    tag = "int8" if mode == "int8" else f"int4.g{groupsize}"
+    return path.with_name(f"{path.stem}_{tag}{path.suffix}")
+
+
+def prepare_for_loading(model: nn.Module, state_dict: dict, path) -> nn.Module:
+    """Before model.load_state_dict(state_dict, assign=True) on a (meta-device) model: give each
+    nn.Linear that the file holds quantized an empty quantized module of the same shape. Which
+    layers are quantized, and the int4 groupsize, are read off the file's tensors; the file's name
+    must say the same (gpt-fast naming), so that a float file named model_int8.pth, or an int4 file
+    renamed model.pth, is an error rather than a silent mix-up. Follow the load with pack_int4."""
+    found = set()
+
+    def make(name, lin):
+        if f"{name}.scales" in state_dict:
+            found.add(("int8", None))
+            return WeightOnlyInt8Linear(lin.in_features, lin.out_features, lin.bias is not None)
+        if f"{name}.scales_and_zeros" in state_dict:
+            groupsize = 2 * state_dict[f"{name}.weight"].size(1) // state_dict[f"{name}.scales_and_zeros"].size(0)
+            found.add(("int4", groupsize))
+            return WeightOnlyInt4Linear(lin.in_features, lin.out_features, groupsize, lin.bias is not None)
+        return None
+
+    def make_experts(name, experts):  # a mixture-of-experts' stacked weights, int8 only
+        if f"{name}.scales" in state_dict:
+            found.add(("int8", None))
+            E, out_features, in_features = experts.weight.shape
+            return WeightOnlyInt8Experts(E, in_features, out_features)
+        return None
+
+    with torch.device("meta"):
+        _swap_linears(model, make)
+        _swap_linears(model, make_experts, kind=Experts)
+    named = mode_from_path(path)
+    if found != ({named} if named[0] else set()):
+        holds = ", ".join(_mode_name(*m) for m in sorted(found, key=str)) or "float"
+        raise ValueError(f"{Path(path).name} holds {holds} weights but its name says {_mode_name(*named)}: "
+                         f"quantize.py names its files like model_int8.pth and model_int4.g32.pth")
+    return model
+
+
+def _mode_name(mode, groupsize) -> str:
+    return "float" if mode is None else mode if mode == "int8" else f"int4 groupsize {groupsize}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
+    """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; returns the new path."""
+    from generate import load_model
+
+    path = Path(path)
+    if mode_from_path(path)[0] is not None:
+        raise ValueError(f"{path.name} is already quantized: quantize the float model.pth")
+    out = quantized_path(path, mode, groupsize)
+    _refuse_to_overwrite(out, force)
+    model = load_model(path, "cpu", dtype=None)  # dtype None: the float parts keep the file's dtype
+    for line in quantize_model(model, mode, groupsize):
+        print(line)
+    if model.config.tie_embeddings:
+        print("  tied LM head: quantized as its own copy; tok_embeddings.weight stays in float")
+    torch.save(model.state_dict(), out)
+    _report_written(out, path)
+    return out
+
+
+def quantize_draft(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
+    """An EAGLE draft folder (or its draft.safetensors) -> draft_int8.safetensors /
+    draft_int4.gNN.safetensors in the same folder; returns the new path."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from draft import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft
+    from model import ModelArgs
+
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    if not (folder / DRAFT_CONFIG).is_file():
+        raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} in {folder}")
+    weights = path if path.is_file() else folder / DRAFT_WEIGHTS
+    if mode_from_path(weights)[0] is not None:
+        raise ValueError(f"{weights.name} is already quantized: quantize the float {DRAFT_WEIGHTS}")
+    out = quantized_path(weights, mode, groupsize)
+    _refuse_to_overwrite(out, force)
+    # No target at hand: check the draft against its own config.
+    draft = load_draft(weights, ModelArgs(**json.loads((folder / DRAFT_CONFIG).read_text())["model"]))
+    for line in quantize_model(draft, mode, groupsize):
+        print(line)
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out))
+    _report_written(out, weights)
+    return out
+
+
+def _refuse_to_overwrite(path: Path, force: bool):
+    if path.exists() and not force:
+        raise FileExistsError(f"refusing to overwrite {path}: pass --force to replace it")
+
+
+def _report_written(out: Path, source: Path):
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; {source.name}: {source.stat().st_size / 1e6:.1f} MB)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct/model.pth"),
+                   help="model.pth; with --draft, an EAGLE draft folder or its draft.safetensors")
+    p.add_argument("--mode", choices=["int8", "int4"], required=True)
+    p.add_argument("--groupsize", type=int, default=None,
+                   help=f"int4: input columns per scale/zero, one of {', '.join(map(str, GROUPSIZES))} (default 32)")
+    p.add_argument("--draft", action="store_true", help="quantize an EAGLE draft instead of a target model")
+    p.add_argument("--force", action="store_true", help="overwrite an existing quantized file")
+    args = p.parse_args(argv)
+    if args.groupsize is not None and args.mode != "int4":
+        p.error("--groupsize applies to --mode int4 only")
+    groupsize = 32 if args.groupsize is None else args.groupsize
+    try:
+        if args.mode == "int4":
+            _check_groupsize(groupsize)
+        quantize = quantize_draft if args.draft else quantize_checkpoint
+        return quantize(args.checkpoint_path, args.mode, groupsize, args.force)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

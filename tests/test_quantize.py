@@ -1,0 +1,321 @@
+"""quantize.py: int8/int4 round trips stay within their error bounds; quantized layers equal a
+matmul with the dequantized weight (padded sizes included); the files it writes are read back by
+generate.load_model and draft.load_draft; greedy EAGLE-2 output on a quantized target equals
+vanilla greedy on that same quantized target; bad input gets a clear error."""
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import generate as gen
+from conftest import mirrored_pair, random_draft, tiny_target
+from draft import load_draft, save_draft
+from quantize import (WeightOnlyInt4Linear, WeightOnlyInt8Linear, dequantize_int4, dequantize_int8, int4_kernel,
+                      main, pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_nibbles)
+
+CLASSES = {"int8": WeightOnlyInt8Linear, "int4": WeightOnlyInt4Linear}
+
+
+def quantized(model, mode, groupsize=32):
+    """model quantized in memory and packed as load_model does on CPU in float32."""
+    quantize_model(model, mode, groupsize)
+    return pack_int4(model.float())
+
+
+def save_checkpoint(model, folder):
+    """model.pth and model_config.json as convert_hf_checkpoint.py writes them (a tied head is not stored)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "output.weight")}
+    torch.save(state, folder / "model.pth")
+    (folder / "model_config.json").write_text(json.dumps({"model": model.config.to_dict()}))
+    return folder / "model.pth"
+
+
+def prompts(count, vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, int(torch.randint(3, 20, (1,), generator=g))), generator=g) for _ in range(count)]
+
+
+def vanilla(target, prompt, n, **kw):
+    target.setup_caches(1, prompt.size(1) + n)
+    return gen.generate(target, prompt, n, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantize -> dequantize
+# ---------------------------------------------------------------------------------------------
+def test_int8_roundtrip_error_bound():
+    torch.manual_seed(0)
+    # a leading expert dim (a mixture-of-experts stack [E, out, in]) and rows of very different size
+    w = torch.randn(3, 40, 96) * torch.logspace(-3, 1, 40)[:, None]
+    w[1, 7] = 0.0
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (3, 40)
+    deq = dequantize_int8(q, scales)
+    assert ((deq - w).abs() <= scales[..., None] / 2 * (1 + 1e-5)).all()  # at most half a step
+    used = w.abs().amax(-1) > 0
+    assert (q.abs().amax(-1)[used] == 127).all()  # every row spans the whole code range
+    assert torch.equal(deq[1, 7], torch.zeros(96))  # an all-zero row stays zero, no 0/0
+
+
+@pytest.mark.parametrize("groupsize", [32, 64, 128, 256])
+def test_int4_roundtrip_error_bound(groupsize):
+    torch.manual_seed(0)
+    out_features, in_features = 48, 512
+    w = torch.randn(out_features, in_features) * torch.logspace(-2, 0, out_features)[:, None]
+    w += torch.randn(out_features, 1)  # offsets: the asymmetric zero point matters
+    q, sz = quantize_int4(w, groupsize)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert sz.shape == (in_features // groupsize, out_features, 2) and sz.dtype == torch.bfloat16
+    scale = sz[..., 0].float().t().repeat_interleave(groupsize, 1)
+    zero = sz[..., 1].float().t().repeat_interleave(groupsize, 1)
+    err = (dequantize_int4(q, sz, groupsize) - w).abs()
+    # half a step, plus what rounding scale and zero to bfloat16 (2^-9 relative) can move the range ends
+    assert (err <= 0.5 * scale + (15 * scale + zero.abs()) / 512 + 1e-6).all()
+    groups = q.view(out_features, -1, groupsize)
+    assert (groups.amin(-1) <= 1).all() and (groups.amax(-1) >= 14).all()  # groups span the code range
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized linear layers vs the matmul with the dequantized weight
+# ---------------------------------------------------------------------------------------------
+def random_linear(in_features, out_features, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.5)
+        if bias:
+            lin.bias.normal_(0, 0.5)
+    return lin
+
+
+def assert_close_to(y, ref, rel):
+    assert y.shape == ref.shape
+    assert (y.float() - ref).abs().max() <= rel * ref.abs().max(), ((y.float() - ref).abs().max(), ref.abs().max())
+
+
+@torch.no_grad()
+def test_int8_linear_matches_dequantized_matmul():
+    lin = random_linear(96, 40)
+    m = WeightOnlyInt8Linear.from_linear(lin)
+    deq = dequantize_int8(m.weight, m.scales)
+    x = torch.randn(2, 5, 96)
+    assert_close_to(m(x), F.linear(x, deq, lin.bias), 1e-5)
+    # bfloat16: a few rows take torch's CPU int8 kernel, many rows the cast; both are the same layer
+    mb = copy.deepcopy(m).bfloat16()
+    for rows in (1, 3, 40):
+        xb = torch.randn(rows, 96).bfloat16()
+        assert_close_to(mb(xb), F.linear(xb.float(), deq, lin.bias), 2e-2)
+
+
+@pytest.mark.parametrize("in_features, out_features, groupsize, padded", [
+    (256, 48, 32, False),
+    (576, 64, 128, True),    # SmolLM2's hidden size: 576 is no multiple of 128, padded to 640
+    (100, 40, 32, True),     # both sizes padded: 100 -> 128 columns, 40 -> 48 rows
+    (1152, 576, 256, True),  # an EAGLE draft's fc at SmolLM2's size: 1152 -> 1280
+])
+@torch.no_grad()
+def test_int4_linear_matches_dequantized_matmul(in_features, out_features, groupsize, padded):
+    lin = random_linear(in_features, out_features)
+    m = WeightOnlyInt4Linear.from_linear(lin, groupsize)
+    assert m.padded == padded
+    deq = dequantize_int4(unpack_nibbles(m.weight), m.scales_and_zeros, groupsize)[:out_features, :in_features]
+    x = torch.randn(2, 3, in_features)
+    with pytest.raises(RuntimeError, match="pack_int4"):
+        m(x)
+    m32 = copy.deepcopy(m).float()
+    m32.pack()
+    assert_close_to(m32(x), F.linear(x, deq, lin.bias), 1e-5)  # the CPU kernel computes in x's dtype
+    mb = copy.deepcopy(m).bfloat16()
+    mb.pack()
+    assert_close_to(mb(x.bfloat16()), F.linear(x, deq, lin.bias), 2e-2)
+    # the padded columns do not leak in: the layer is the [out, in] one, whatever it is padded to
+    assert_close_to(F.linear(x, dequantize_int4(*quantize_int4(
+        F.pad(lin.weight, (0, m.in_padded - in_features)), groupsize), groupsize)[:, :in_features], lin.bias),
+        F.linear(x, deq, lin.bias), 1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_quantized_linears_on_cuda():
+    lin = random_linear(576, 960)
+    x = torch.randn(3, 576)
+    int8 = WeightOnlyInt8Linear.from_linear(lin)
+    ref8 = F.linear(x, dequantize_int8(int8.weight, int8.scales), lin.bias)
+    assert_close_to(int8.to("cuda", torch.bfloat16)(x.cuda().bfloat16()).cpu(), ref8, 2e-2)
+    for groupsize in (32, 128):  # 128: padded
+        int4 = WeightOnlyInt4Linear.from_linear(lin, groupsize)
+        ref4 = F.linear(x, dequantize_int4(unpack_nibbles(int4.weight), int4.scales_and_zeros, groupsize)[:, :576], lin.bias)
+        int4 = int4.to("cuda", torch.bfloat16)
+        int4.pack()
+        assert_close_to(int4(x.cuda().bfloat16()).cpu(), ref4, 2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: quantize.py writes them, generate.load_model and draft.load_draft read them
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode, groupsize, name", [
+    ("int8", None, "model_int8.pth"), ("int4", 32, "model_int4.g32.pth"), ("int4", 128, "model_int4.g128.pth")])
+@torch.no_grad()
+def test_quantized_checkpoint_round_trip(tmp_path, capsys, mode, groupsize, name):
+    target = tiny_target("tiny-qwen2")  # tied embeddings and q/k/v biases
+    path = save_checkpoint(target, tmp_path / "tiny")
+    out = main(["--checkpoint_path", str(path), "--mode", mode] + (["--groupsize", str(groupsize)] if groupsize else []))
+    assert out == path.with_name(name) and out.stat().st_size < path.stat().st_size
+    printed = capsys.readouterr().out
+    assert "tied LM head" in printed and "wrote" in printed
+    assert ("padded" in printed) == (groupsize == 128)  # the tiny hidden size 64 < 128
+
+    loaded = gen.load_model(out, "cpu", torch.float32)
+    assert isinstance(loaded.layers[1].attention.wqkv, CLASSES[mode]) and isinstance(loaded.output, CLASSES[mode])
+    assert torch.equal(loaded.tok_embeddings.weight, target.tok_embeddings.weight)  # the table stays in float
+    expected = quantized(copy.deepcopy(target), mode, groupsize or 32)
+    ids = torch.randint(0, 512, (1, 12))
+    for m in (loaded, expected):
+        m.setup_caches(1, 12)
+    assert torch.equal(loaded(ids, torch.arange(12)), expected(ids, torch.arange(12)))
+    if groupsize != 128:  # the bytes a decode step reads: quantized weights and scales count, the float table not
+        weights = sum(m.weight.numel() for m in target.modules() if isinstance(m, nn.Linear))
+        bits = 8 if mode == "int8" else 4
+        assert weights * bits / 8 < gen.model_bytes_per_token(loaded) < 0.3 * gen.model_bytes_per_token(target)
+
+
+@torch.no_grad()
+def test_quantized_draft_round_trip(tmp_path):
+    target = tiny_target("tiny-llama")
+    draft = random_draft(target, std=0.2)
+    save_draft(draft, tmp_path / "eagle")
+    out = main(["--draft", "--checkpoint_path", str(tmp_path / "eagle"), "--mode", "int4", "--groupsize", "64"])
+    assert out == tmp_path / "eagle" / "draft_int4.g64.safetensors"
+
+    loaded = load_draft(out, target.config)
+    assert isinstance(loaded.fc, WeightOnlyInt4Linear) and isinstance(loaded.layer.feed_forward.w2, WeightOnlyInt4Linear)
+    assert isinstance(load_draft(tmp_path / "eagle", target.config).fc, nn.Linear)  # the folder still means the float one
+    expected = quantized(copy.deepcopy(draft), "int4", 64)
+    embeds, features = torch.randn(1, 7, 64), torch.randn(1, 7, 64)
+    for d in (loaded, expected):
+        d.setup_caches(1, 16)
+    assert loaded.layer.attention.kv_cache.k_cache.dtype == torch.float32  # not the quantized fc's dtype
+    assert torch.equal(loaded(embeds, features, torch.arange(7)), expected(embeds, features, torch.arange(7)))
+
+
+def test_generate_cli_speculates_on_quantized_files(tiny_hf_checkpoint, tmp_path):
+    """generate.py end to end: an int8 target with an int4 draft, --speculate eagle2 against vanilla."""
+    from convert_hf_checkpoint import convert_hf
+
+    model_path = convert_hf(tiny_hf_checkpoint("llama"))
+    target = gen.load_model(model_path, "cpu", torch.float32)
+    save_draft(random_draft(target, std=0.2), model_path.parent / "eagle")
+    int8 = main(["--checkpoint_path", str(model_path), "--mode", "int8"])
+    draft = main(["--draft", "--checkpoint_path", str(model_path.parent / "eagle"), "--mode", "int4"])
+    outputs = {}
+    for method in ("none", "eagle2"):
+        report = tmp_path / f"{method}.json"
+        gen.main(["--checkpoint_path", str(int8), "--prompt", "The quick brown fox", "--max_new_tokens", "30",
+                  "--device", "cpu", "--speculate", method, "--draft_checkpoint_path", str(draft),
+                  "--output_json", str(report)])
+        outputs[method] = json.loads(report.read_text())["samples"][0]["token_ids"]
+    assert outputs["eagle2"] == outputs["none"] and len(outputs["none"]) > 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy losslessness relative to the quantized target
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@torch.no_grad()
+def test_greedy_eagle2_equals_vanilla_on_quantized_tiny(mode):
+    target = quantized(tiny_target("tiny-qwen2"), mode)
+    spec = gen.Speculator(target, random_draft(target, std=0.2))
+    for prompt in prompts(6):
+        assert gen.speculative_generate(spec, prompt, 30)[0] == vanilla(target, prompt, 30)
+    # a draft that mirrors the target (both quantized alike) gets long runs accepted
+    target, draft = (quantized(m, mode) for m in mirrored_pair())
+    spec = gen.Speculator(target, draft)
+    taus = []
+    for prompt in prompts(6, seed=1):
+        ids, per_round = gen.speculative_generate(spec, prompt, 40)
+        assert ids == vanilla(target, prompt, 40)
+        taus.append(sum(per_round[0]) / len(per_round[0]))
+    assert sum(taus) / len(taus) > 2
+
+
+@torch.no_grad()
+def test_greedy_eagle2_equals_vanilla_on_smollm2_int8(smollm2_checkpoint):
+    from conftest import ROOT
+    from tokenizer import load_tokenizer
+
+    target = quantized(gen.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32), "int8")
+    tokenizer = load_tokenizer(smollm2_checkpoint)
+    head = ROOT / "heads" / "SmolLM2-135M-Instruct"
+    draft = load_draft(head, target.config) if head.is_dir() else random_draft(target)
+    # a small tree keeps the test short; losslessness does not depend on the tree's size
+    spec = gen.Speculator(target, quantized(draft, "int8"), tree_top_k=4, tree_depth=3, tree_tokens=10,
+                          stop_ids=tokenizer.stop_ids)
+    for text in ["What is the capital of France?", "Write a haiku about autumn.", "What is 12 times 7?"]:
+        prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
+        assert gen.speculative_generate(spec, prompt, 12)[0] == vanilla(target, prompt, 12, stop_ids=tokenizer.stop_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+def test_unsupported_groupsize(tmp_path, capsys):
+    path = save_checkpoint(tiny_target(), tmp_path / "tiny")
+    with pytest.raises(SystemExit, match=r"^error: int4 groupsize must be one of 32, 64, 128, 256 .*got 48$"):
+        main(["--checkpoint_path", str(path), "--mode", "int4", "--groupsize", "48"])
+    with pytest.raises(SystemExit):
+        main(["--checkpoint_path", str(path), "--mode", "int8", "--groupsize", "32"])
+    assert "--groupsize applies to --mode int4 only" in capsys.readouterr().err
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.pth", "model_config.json"]  # nothing written
+    with pytest.raises(ValueError, match="groupsize must be one of"):
+        quantize_int4(torch.randn(16, 64), 16)
+    with pytest.raises(ValueError, match="groupsize must be one of"):
+        WeightOnlyInt4Linear(64, 64, 100)
+    with pytest.raises(ValueError, match="run on CPU or CUDA, not on meta"):
+        int4_kernel(torch.device("meta"))
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: checkpoint not found: .*nowhere/model.pth"):
+        main(["--checkpoint_path", str(tmp_path / "nowhere" / "model.pth"), "--mode", "int8"])
+    with pytest.raises(SystemExit, match=r"^error: no EAGLE draft at .*eagle: expected draft_config.json"):
+        main(["--draft", "--checkpoint_path", str(tmp_path / "eagle"), "--mode", "int8"])
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        gen.load_model(tmp_path / "model_int8.pth", "cpu", torch.float32)
+    target = tiny_target()
+    save_draft(random_draft(target), tmp_path / "eagle")
+    with pytest.raises(FileNotFoundError, match="expected draft_config.json and draft_int8.safetensors"):
+        load_draft(tmp_path / "eagle" / "draft_int8.safetensors", target.config)
+
+
+def test_refuses_to_overwrite_without_force(tmp_path, capsys):
+    path = save_checkpoint(tiny_target(), tmp_path / "tiny")
+    (tmp_path / "tiny" / "model_int8.pth").write_text("the user's own file")
+    with pytest.raises(SystemExit, match=r"^error: refusing to overwrite .*model_int8.pth: pass --force"):
+        main(["--checkpoint_path", str(path), "--mode", "int8"])
+    assert (tmp_path / "tiny" / "model_int8.pth").read_text() == "the user's own file"
+    main(["--checkpoint_path", str(path), "--mode", "int8", "--force"])
+    assert isinstance(gen.load_model(tmp_path / "tiny" / "model_int8.pth", "cpu", torch.float32).output,
+                      WeightOnlyInt8Linear)
+
+
+def test_file_name_must_say_what_the_file_holds(tmp_path):
+    """The mode comes from the name (gpt-fast naming) and is checked against the tensors, so a
+    renamed file cannot pass for what it is not."""
+    path = save_checkpoint(tiny_target(), tmp_path / "tiny")
+    int8 = main(["--checkpoint_path", str(path), "--mode", "int8"])
+    with pytest.raises(SystemExit, match="model_int8.pth is already quantized"):
+        main(["--checkpoint_path", str(int8), "--mode", "int4"])
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(path.parent / "model_config.json", other)
+    shutil.copy(int8, other / "model.pth")
+    with pytest.raises(ValueError, match="model.pth holds int8 weights but its name says float"):
+        gen.load_model(other / "model.pth", "cpu", torch.float32)
+    shutil.copy(path, other / "model_int4.g32.pth")
+    with pytest.raises(ValueError, match="model_int4.g32.pth holds float weights but its name says int4 groupsize 32"):
+        gen.load_model(other / "model_int4.g32.pth", "cpu", torch.float32)

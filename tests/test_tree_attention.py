@@ -1,0 +1,221 @@
+"""tree_attention.py: the fused Triton kernel against its PyTorch reference (SDPA over the dense
+mask), and the speculative round with the kernel against the SDPA path.
+
+Without a GPU the kernel runs in triton's interpreter. Triton reads TRITON_INTERPRET when
+@triton.jit decorates a kernel, that is when tree_attention is imported, and again when it
+launches one, so it is set before that import and left set. The interpreter
+has no bfloat16 tl.dot (it multiplies the raw bits: triton-lang/triton#11584), so bfloat16 is
+checked on CUDA only; float16 exercises the same 16-bit path on the CPU.
+"""
+import importlib
+import os
+
+import pytest
+import torch
+
+import generate as gen
+import model
+from conftest import mirrored_pair, tiny_target
+from tree import mc_sim_7b_63, static_tree, tree_attention_mask, tree_structure
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # for the rest of the session: triton reads it again at launch
+import tree_attention  # noqa: E402
+
+if not torch.cuda.is_available() and not tree_attention.INTERPRETED:
+    importlib.reload(tree_attention)  # it was imported before the variable was set: decorate again
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not tree_attention.INTERPRETED,
+                                                 reason="the kernel is compiled for the GPU (no TRITON_INTERPRET)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+
+
+def make_visible(kind: str, B: int, T: int, R: int, g: torch.Generator) -> torch.Tensor:
+    """[B, T, R] masks over the tree region, the queries being the last T of R region slots.
+    tree: random trees of R nodes, each query sees its ancestors (rows differ);
+    self: each query sees itself only;  random: any bits, a few rows seeing nothing."""
+    if kind == "tree":
+        parents = (torch.rand(B, R, generator=g) * torch.arange(R)).long()  # node i's parent: one of 0 .. i - 1
+        parents[:, 0] = -1
+        return tree_structure(parents, R - 1)[1][:, R - T:]
+    if kind == "self":
+        return torch.eye(R, dtype=torch.bool)[R - T:].expand(B, T, R)
+    visible = torch.rand(B, T, R, generator=g) < 0.4
+    visible[:, 0] = False
+    return visible
+
+
+def check_kernel(device, dtype, H, KV, D, T, R, prefix, S, n_splits, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B = len(prefix)
+    # q as the model makes it: a [B, H, T, D] view of a [B, T, H, D] tensor
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    k, v = torch.randn(2, B, KV, S, D, generator=g)
+    prefix_len, visible = torch.tensor(prefix), make_visible(kind, B, T, R, g)
+    expected = tree_attention.reference(q, k, v, prefix_len, visible)  # float32, on the CPU
+    to = dict(device=device, dtype=dtype)
+    out = tree_attention.tree_attention(q.to(**to), k.to(**to), v.to(**to), prefix_len.to(device),
+                                        visible.to(device), n_splits=n_splits)
+    assert out.shape == (B, H, T, D) and out.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
+
+
+# H, KV, D, T, R, per-row prefix lengths, cache slots S, n_splits (None: chosen from the shapes),
+# region mask. Small: the interpreter multiplies matrices at a few MFLOP/s.
+CASES = {
+    "mha-T1-prefix-0-and-1": (4, 4, 64, 1, 1, [0, 1], 80, 1, "self"),
+    "gqa2-T5-prefix-around-a-block": (4, 2, 64, 5, 5, [63, 64, 70], 150, 1, "tree"),
+    "gqa3-d128-T9-split3": (6, 2, 128, 9, 9, [0, 129], 300, 3, "random"),
+    "mqa-T64-four-query-blocks-split2": (4, 1, 64, 64, 64, [130, 7], 260, 2, "tree"),
+    "draft-level-T10-region-50": (3, 3, 64, 10, 50, [33, 150], 200, None, "tree"),
+    "default-split-long-prefix": (2, 2, 64, 3, 3, [1040], 1100, None, "self"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+@torch.no_grad()
+def test_kernel_equals_reference(case, dtype, device):
+    check_kernel(device, dtype, *CASES[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@torch.no_grad()
+def test_kernel_equals_reference_bf16_cuda(case):
+    check_kernel("cuda", torch.bfloat16, *CASES[case])
+
+
+def test_the_default_split_count_comes_from_the_shapes():
+    # batch 1, 32 KV heads, one query block: 32 programs, split 4 ways to fill an H100's SMs
+    assert tree_attention.num_splits(32, 4096) == 4
+    # a short cache is not split; nor is a launch that already fills the GPU
+    assert tree_attention.num_splits(32, 700) == 1 and tree_attention.num_splits(256, 8192) == 1
+    # the default case above really runs split: batch 1, 2 KV heads, one query block each
+    assert tree_attention.num_splits(1 * 2 * 1, 1100 - 3) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_slots_between_prefix_and_region_are_never_read(device):
+    """Slots past prefix_len hold stale entries (rejected nodes, old rounds): make them huge and check
+    they change nothing, also when prefix_len would reach into the region (clamped as the dense mask)."""
+    B, H, KV, T, D, S = 2, 4, 2, 6, 64, 120
+    g = torch.Generator().manual_seed(1)
+    q, (k, v) = torch.randn(B, H, T, D, generator=g), torch.randn(2, B, KV, S, D, generator=g)
+    prefix_len, visible = torch.tensor([37, 500]), make_visible("tree", B, T, T, g)
+    clean = tree_attention.tree_attention(*(x.to(device) for x in (q, k, v, prefix_len, visible)))
+    k[0, :, 37:S - T], v[0, :, 37:S - T] = 1e4, 1e4
+    dirty = tree_attention.tree_attention(*(x.to(device) for x in (q, k, v, prefix_len, visible)))
+    torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+    expected = tree_attention.reference(q, k, v, prefix_len, visible)
+    torch.testing.assert_close(dirty.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_gets_a_clear_error():
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    prefix_len, visible = torch.tensor([5]), torch.ones(1, 3, 3, dtype=torch.bool)
+    ta = tree_attention.tree_attention
+    with pytest.raises(ValueError, match="multiple of the 3 KV heads"):
+        ta(q, torch.randn(1, 3, 32, 16), torch.randn(1, 3, 32, 16), prefix_len, visible)
+    with pytest.raises(ValueError, match="one shape"):
+        ta(q, k, v[:, :, :16], prefix_len, visible)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        ta(q, k.half(), v, prefix_len, visible)
+    with pytest.raises(ValueError, match=r"bool \[B=1, T=3, R\]"):
+        ta(q, k, v, prefix_len, visible.float())
+    with pytest.raises(ValueError, match=r"bool \[B=1, T=3, R\]"):
+        ta(q, k, v, prefix_len, torch.ones(1, 3, 40, dtype=torch.bool))  # region larger than the cache
+    with pytest.raises(ValueError, match="integer tensor"):
+        ta(q, k, v, prefix_len.float(), visible)
+
+
+# ---------------------------------------------------------------------------------------------
+# The switch in model.py, and whole speculative rounds
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Switch model.py to the triton backend for one test; count the kernel's calls."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    real = tree_attention.tree_attention
+    monkeypatch.setattr(tree_attention, "tree_attention", counted)
+    assert model.set_attention_backend("triton") == "triton"
+    yield calls
+    model.set_attention_backend("sdpa")
+
+
+def test_set_attention_backend(capsys):
+    try:
+        assert model.set_attention_backend("auto", "cpu") == "sdpa" and model._tree_kernel is None
+        assert model.set_attention_backend("triton") == "triton" and model._tree_kernel is tree_attention
+        with pytest.raises(ValueError, match="auto, sdpa or triton"):
+            model.set_attention_backend("flash")
+    finally:
+        model.set_attention_backend("sdpa")
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--attention", "triton", "--device", "cpu"])
+    assert "--attention triton runs on CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+@torch.no_grad()
+def test_speculative_rounds_with_the_kernel_equal_the_sdpa_path(method, device, kernel_calls):
+    """Greedy: the kernel path emits exactly the tokens of the SDPA path (and of vanilla decoding),
+    with a draft good enough that deep paths are accepted and compacted every round."""
+    target, draft = mirrored_pair(seed=2)
+    target, draft = target.to(device), draft.to(device)
+    if method == "eagle":
+        spec = gen.Speculator(target, draft, static=static_tree(mc_sim_7b_63))
+    else:
+        spec = gen.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
+    prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
+    with_kernel, rounds = gen.speculative_generate(spec, prompt, 16)
+    n_calls = len(kernel_calls)
+    model.set_attention_backend("sdpa")
+    with_sdpa, _ = gen.speculative_generate(spec, prompt, 16)
+    assert len(kernel_calls) == n_calls  # the SDPA run did not use the kernel
+    assert with_kernel == with_sdpa == gen.generate(target, prompt, 16)
+    # every round: the target's verify (one per layer) and the draft's tree levels but the last
+    assert n_calls == max(map(len, rounds)) * (target.config.n_layer + spec.depth - 1)
+    assert max(max(r) for r in rounds) >= 3  # deep acceptances happened
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@torch.no_grad()
+def test_compiled_round_with_the_kernel_on_cuda(kernel_calls):
+    """The kernel inside the one CUDA graph of a compiled round (prefix_len read on the device only)."""
+    target, draft = (m.to("cuda") for m in mirrored_pair(seed=2))
+    spec = gen.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
+    spec.setup(2, 64)
+    round_fn = gen.compile_round(spec, compile_prefill=False).round
+    prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3)).cuda()
+    for _ in range(2):  # the second run replays the captured graph
+        ids, _ = gen.speculative_generate(spec, prompt, 16, round_fn=round_fn)
+        assert ids == gen.generate(target, prompt, 16)
+    assert kernel_calls  # traced into the graph
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_sliding_window_models_keep_the_dense_path(device, kernel_calls):
+    target = tiny_target("tiny-llama", sliding_window=8).to(device)
+    target.setup_caches(1, 64)
+    T, L = 5, 20
+    target(torch.randint(0, 512, (1, L), device=device), torch.arange(L, device=device))
+    ancestors = tree_structure(torch.tensor([[-1, 0, 0, 1, 3]]), 4)[1].to(device)
+    args = (torch.randint(0, 512, (1, T), device=device), L + torch.tensor([[0, 1, 1, 2, 3]], device=device),
+            64 - T + torch.arange(T, device=device))
+    compact = target(*args, model.TreeMask(torch.tensor([L], device=device), ancestors))
+    dense = target(*args, tree_attention_mask(ancestors, torch.tensor([L], device=device), 64))
+    assert kernel_calls == []
+    torch.testing.assert_close(compact, dense, atol=0, rtol=0)
