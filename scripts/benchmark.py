@@ -1,0 +1,614 @@
+"""Speed of vanilla decoding and of EAGLE speculative decoding on MT-bench, side by side.
+
+    python scripts/benchmark.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \\
+        --compile --num_questions 16 --max_new_tokens 128 --out benchmarks/mt_bench-smollm2
+
+Methods, run in one process on exactly the same prompts so that their ratios are side by side:
+    vanilla  one target forward per token: the reference for speedup and for output equality
+    chain    the EAGLE draft without a tree: a chain of --chain_depth guesses per round
+    eagle    EAGLE-1's static tree mc_sim_7b_63 (26 nodes, depth 5)
+    eagle2   EAGLE-2's dynamic tree (--tree_top_k, --tree_depth, --tree_tokens; "auto" measures)
+at each of --temperatures (default 0 and 1). Every MT-bench question is asked in its two turns
+with the chat template: turn 1 is answered, the answer appended, then turn 2 is answered. Turn 2
+follows vanilla's answer to turn 1 at the same temperature for every method, so that all methods
+decode the same prompts (at temperature 0 their answers are equal anyway). An answer's time is
+the whole call, prefill included; tokens/s is total tokens over total time.
+
+Writes OUT.json (one record per method x temperature x category, "overall" included), OUT.md
+(tables) and OUT.png (speedups; needs matplotlib from requirements-dev.txt, or pass --no_plot).
+
+    python scripts/benchmark.py --random_weights --model_name llama-2-7b --compile --out benchmarks/llama-2-7b
+
+Random-weights mode builds a real-shaped model (any model.py config name) with random weights
+directly on the device, no download, and measures (a) compiled vanilla decode tok/s and the
+weight bandwidth it achieves, next to a device-to-device copy measured in the same run, (b) one
+EAGLE-2 round (random draft, depth --tree_depth) against one vanilla step for each --tree_sizes,
+and (c) the speedup those costs predict for each --tau. Writes OUT.json and OUT.md.
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import generate as gen  # noqa: E402
+from draft import EagleDraft, draft_config_for, load_draft  # noqa: E402
+from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
+from tree import mc_sim_7b_63, static_tree  # noqa: E402
+
+METHODS = ("vanilla", "chain", "eagle", "eagle2")
+DEFAULT_QUESTIONS = ROOT.parent / "shared/data/mt_bench/question.jsonl"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
+                   help="EAGLE draft folder (default: the eagle/ folder beside the checkpoint)")
+    p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
+    p.add_argument("--num_questions", type=int, default=None,
+                   help="ask only this many questions, taken in turn from each category (default: all)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="vanilla always runs: it is the reference")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
+    p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
+    p.add_argument("--tree_top_k", type=int, default=10, help="eagle2 (and random weights): children per node")
+    p.add_argument("--tree_depth", type=int, default=6, help="eagle2 (and random weights): levels of guesses")
+    p.add_argument("--tree_tokens", type=gen._tree_tokens_arg, default=60,
+                   help="eagle2: nodes per round, root included, or auto (generate.auto_tree_tokens, per temperature)")
+    p.add_argument("--compile", action="store_true", help="compile the decode step and the rounds")
+    p.add_argument("--compile_prefill", action="store_true")
+    p.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto", help="as in generate.py")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=Path, default=None,
+                   help="output path without suffix (default: benchmarks/mt_bench-MODEL or benchmarks/random-NAME)")
+    p.add_argument("--no_plot", action="store_true", help="skip OUT.png (no matplotlib needed)")
+    r = p.add_argument_group("random-weights mode")
+    r.add_argument("--random_weights", action="store_true", help="real-shaped model with random weights, no checkpoint")
+    r.add_argument("--model_name", type=str, default=None, help="a model.py config, e.g. llama-2-7b, SmolLM2-135M")
+    r.add_argument("--tree_sizes", nargs="+", type=int, default=[16, 32, 48, 60, 64, 96, 128])
+    r.add_argument("--tau", nargs="+", type=float, default=[3.5, 4.0, 4.5],
+                   help="mean accepted tokens per round to predict the speedup for")
+    r.add_argument("--steps", type=int, default=None, help="timed decode steps and rounds (default: 100 GPU, 10 CPU)")
+    r.add_argument("--prompt_length", type=int, default=128)
+    args = p.parse_args(argv)
+
+    errors = []
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        errors.append(f"--device {args.device} requested but CUDA is not available")
+    if args.attention == "triton" and not args.device.startswith("cuda"):
+        errors.append(f"--attention triton runs on CUDA, not on --device {args.device} (use --attention sdpa)")
+    if args.max_new_tokens < 1:
+        errors.append(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_questions is not None and args.num_questions < 1:
+        errors.append(f"--num_questions must be >= 1, got {args.num_questions}")
+    if args.chain_depth < 1:
+        errors.append(f"--chain_depth must be >= 1, got {args.chain_depth}")
+    if any(t < 0 for t in args.temperatures):
+        errors.append(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}")
+    if args.random_weights:
+        if args.model_name is None:
+            errors.append("--random_weights needs --model_name (a config name of model.py, e.g. llama-2-7b)")
+        else:
+            try:
+                ModelArgs.from_name(args.model_name)
+            except ValueError as e:
+                errors.append(str(e))
+    else:
+        if args.model_name is not None:
+            errors.append("--model_name names the shape of --random_weights; a checkpoint carries its own config")
+        if not args.question_file.is_file():
+            errors.append(f"--question_file not found: {args.question_file}")
+        if not args.checkpoint_path.is_file():
+            errors.append(f"checkpoint not found: {args.checkpoint_path} (prepare one with scripts/prepare.sh)")
+        args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
+        if args.draft_checkpoint_path is None:
+            args.draft_checkpoint_path = args.checkpoint_path.parent / "eagle"
+        if len(args.methods) > 1 and not args.draft_checkpoint_path.exists():
+            errors.append(f"methods {' '.join(args.methods[1:])} need an EAGLE draft: {args.draft_checkpoint_path} "
+                          f"not found (pass --draft_checkpoint_path, or --methods vanilla)")
+    if not args.no_plot and not args.random_weights:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            errors.append("the PNG plot needs matplotlib: pip install -r requirements-dev.txt (or pass --no_plot)")
+    if errors:
+        p.error("\n  ".join(errors))
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.out is None:
+        name = f"random-{args.model_name}" if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
+        args.out = ROOT / "benchmarks" / name
+    if args.steps is None:
+        args.steps = 100 if args.device.startswith("cuda") else 10
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by both modes
+# ---------------------------------------------------------------------------------------------
+def hardware_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    if Path("/proc/cpuinfo").is_file():
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def peak_memory_gb(device: str) -> float:
+    """GPU: the peak since the last torch.cuda.reset_peak_memory_stats(); CPU: the process's peak RSS."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+def allow_many_graphs():
+    """Every tree size and temperature compiles its own graph of the same function (Speculator.round,
+    decode_one_token); dynamo's default limit of 8 per function would fall back or fail."""
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+
+
+def header(args, argv) -> dict:
+    return {"hardware": hardware_name(args.device), "device": args.device, "dtype": args.dtype,
+            "compiled": args.compile, "attention": args.attention, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
+
+
+def write_json(path: Path, report: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# MT-bench
+# ---------------------------------------------------------------------------------------------
+def load_questions(path: Path, n=None) -> list:
+    """The question file's records; with n, n of them taken in turn from each category (file order kept)."""
+    questions = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except ValueError:
+            q = None
+        turns = q.get("turns") if isinstance(q, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise ValueError(f"{path}:{i}: expected a JSON object with a non-empty list of strings 'turns'")
+        questions.append(dict(q, question_id=q.get("question_id", i), category=q.get("category", "all")))
+    if not questions:
+        raise ValueError(f"{path} holds no questions")
+    if n is None or n >= len(questions):
+        return questions
+    by_category = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    picked, rank = [], 0
+    while len(picked) < n:
+        picked += [qs[rank] for qs in by_category.values() if rank < len(qs)][: n - len(picked)]
+        rank += 1
+    return sorted(picked, key=questions.index)
+
+
+def build_decoders(args, model: Transformer, draft, stop_ids, context: int, probe_ids) -> tuple:
+    """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per round or None)},
+    and {temperature: the eagle2 tree size, or None where --tree_tokens auto chose vanilla}.
+    All methods share the target, the draft and their caches, allocated here once for the
+    largest tree, before anything is compiled."""
+    device = args.device
+    tree_sizes = {T: args.tree_tokens for T in args.temperatures}
+    if "eagle2" in args.methods and args.tree_tokens == "auto":
+        for T in args.temperatures:
+            tree_sizes[T] = gen.auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
+                                                 tree_depth=args.tree_depth, temperature=T)
+    statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]),
+               "eagle": static_tree(mc_sim_7b_63)}
+    depth = max(args.chain_depth, 5, args.tree_depth)
+    n_nodes = max(args.chain_depth + 1, 26, *[n for n in tree_sizes.values() if n])
+    model.setup_caches(1, context + 2 * (depth + 1) + n_nodes)
+    if draft is not None:
+        draft.setup_caches(1, context + 2 * (depth + 1) + max(n_nodes, args.tree_top_k * args.tree_depth))
+    if args.compile:
+        allow_many_graphs()
+        gen.compile_decoding(device, args.compile_prefill)
+
+    def vanilla(sampling):
+        def decode(prompt_ids, max_new_tokens):
+            prompt = torch.tensor([prompt_ids], device=device)
+            # gen.prefill / gen.decode_one_token are looked up now: compile_decoding rebinds them
+            return gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, prefill_fn=gen.prefill,
+                                decode_fn=gen.decode_one_token, **sampling)[0], None
+        return decode
+
+    def speculative(spec):
+        spec.setup(1, context + 2 * (spec.depth + 1))
+        if args.compile:
+            gen.compile_round(spec, args.compile_prefill)
+
+        def decode(prompt_ids, max_new_tokens):
+            ids, per_round = gen.speculative_generate(spec, torch.tensor([prompt_ids], device=device), max_new_tokens)
+            return ids[0], per_round[0]
+        return decode
+
+    decoders = {}
+    for T in args.temperatures:
+        sampling = dict(temperature=T, top_k=None, top_p=None)
+        for method in args.methods:
+            if method == "vanilla" or (method == "eagle2" and tree_sizes[T] is None):
+                decoders[method, T] = vanilla(sampling)
+            elif method == "eagle2":
+                decoders[method, T] = speculative(gen.Speculator(
+                    model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=tree_sizes[T],
+                    stop_ids=stop_ids, **sampling))
+            else:
+                decoders[method, T] = speculative(gen.Speculator(model, draft, static=statics[method],
+                                                                 stop_ids=stop_ids, **sampling))
+    return decoders, tree_sizes
+
+
+def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
+    """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
+    over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
+    vanilla) and, at temperature 0, the fraction of answers equal to vanilla's."""
+    records = []
+    groups = {}
+    for a in answers:
+        for category in ("overall", a["category"]):
+            groups.setdefault((a["method"], a["temperature"], category), []).append(a)
+    for (method, T, category), group in groups.items():
+        tokens, seconds = sum(a["tokens"] for a in group), sum(a["seconds"] for a in group)
+        rounds, accepted = sum(a["rounds"] for a in group), sum(a["accepted"] for a in group)
+        records.append(dict(
+            header_fields, method=method, temperature=T, category=category,
+            questions=len({a["question_id"] for a in group}), answers=len(group), tokens=tokens, rounds=rounds,
+            seconds=seconds, tokens_per_s=tokens / seconds, speedup=None,
+            mean_accepted=accepted / rounds if rounds else None,
+            equal_to_vanilla=(sum(a["equal_to_vanilla"] for a in group) / len(group)) if T == 0 else None,
+            peak_memory_gb=peaks[method, T]))
+    vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
+    for r in records:
+        r["speedup"] = r["tokens_per_s"] / vanilla[r["temperature"], r["category"]]
+    order = {m: i for i, m in enumerate(METHODS)}
+    return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
+
+
+def run_mt_bench(args, argv=None) -> dict:
+    from tqdm import tqdm
+
+    from tokenizer import load_tokenizer
+
+    device, dtype = args.device, getattr(torch, args.dtype)
+    args.attention = set_attention_backend(args.attention, device)
+    model = gen.load_model(args.checkpoint_path, device, dtype)
+    tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    draft = None
+    if len(args.methods) > 1:
+        draft = load_draft(args.draft_checkpoint_path, model.config, device, dtype)
+    questions = load_questions(args.question_file, args.num_questions)
+
+    def conversation(q, turn, answers):  # the user turns up to `turn`, each followed by its answer
+        messages = []
+        for i in range(turn + 1):
+            messages.append({"role": "user", "content": q["turns"][i]})
+            if i < turn:
+                messages.append({"role": "assistant", "content": answers[i]})
+        return tokenizer.apply_chat_template(messages)
+
+    # Room for the longest conversation: every turn, each answer up to max_new_tokens (plus slack
+    # for an answer that re-encodes into more tokens than it was generated as).
+    longest = max(len(conversation(q, len(q["turns"]) - 1, [""] * len(q["turns"]))) for q in questions)
+    most_turns = max(len(q["turns"]) for q in questions)
+    context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
+    probe_ids = conversation(questions[0], 0, [])
+    decoders, tree_sizes = build_decoders(args, model, draft, tokenizer.stop_ids, context, probe_ids)
+
+    # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
+    for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
+        decode(probe_ids, min(args.max_new_tokens, 32))
+
+    answers, peaks = [], {key: 0.0 for key in decoders}
+    total = sum(len(q["turns"]) for q in questions) * len(decoders)
+    bar = tqdm(total=total, desc="MT-bench answers", unit="answer", file=sys.stderr)
+    for index, q in enumerate(questions):
+        for T in args.temperatures:
+            replies = []  # vanilla's answers: the conversation every method continues
+            for turn in range(len(q["turns"])):
+                prompt_ids = conversation(q, turn, replies)
+                max_new = min(args.max_new_tokens, context - len(prompt_ids))
+                if max_new < 1:
+                    raise ValueError(f"question {q['question_id']} turn {turn + 1} does not fit the {context}-token context")
+                reference = None
+                for method in args.methods:
+                    torch.manual_seed(args.seed + 1000 * index + turn)  # the same seed for every method
+                    if device.startswith("cuda"):
+                        torch.cuda.reset_peak_memory_stats(device)
+                    gen.device_sync(device)
+                    t = time.perf_counter()
+                    ids, per_round = decoders[method, T](prompt_ids, max_new)
+                    gen.device_sync(device)
+                    seconds = time.perf_counter() - t
+                    peaks[method, T] = max(peaks[method, T], peak_memory_gb(device))
+                    if method == "vanilla":
+                        reference = ids
+                    if per_round is None:  # vanilla decoding (also eagle2 where --tree_tokens auto chose it)
+                        rounds = accepted = len(ids) - 1  # one forward per token after prefill's
+                    else:
+                        rounds, accepted = len(per_round), sum(per_round)
+                    answers.append(dict(question_id=q["question_id"], category=q["category"], turn=turn + 1,
+                                        method=method, temperature=T, prompt_tokens=len(prompt_ids), tokens=len(ids),
+                                        seconds=seconds, rounds=rounds, accepted=accepted,
+                                        equal_to_vanilla=ids == reference if T == 0 else None))
+                    bar.set_postfix_str(f"q{q['question_id']} T={T:g} {method}: {len(ids) / seconds:.1f} tok/s")
+                    bar.update()
+                replies.append(tokenizer.decode([i for i in reference if i not in tokenizer.stop_ids]))
+    bar.close()
+
+    fields = dict(header(args, argv), model=args.checkpoint_path.parent.name)
+    records = summarize(answers, {k: fields[k] for k in ("hardware", "model", "dtype", "compiled", "date", "command")},
+                        peaks)
+    for r in records:
+        r["tree_tokens"] = tree_tokens_of(r["method"], r["temperature"], args, tree_sizes)
+    return dict(fields, mode="mt_bench", draft=str(args.draft_checkpoint_path) if draft is not None else None,
+                question_file=str(args.question_file), questions=len(questions), max_new_tokens=args.max_new_tokens,
+                context=context, seed=args.seed, methods=method_notes(args, tree_sizes),
+                peak_memory_note="GPU: peak allocated per method; CPU: the whole process's peak RSS, shared by all methods",
+                records=records, answers=answers)
+
+
+def tree_tokens_of(method, T, args, tree_sizes):
+    return {"vanilla": None, "chain": args.chain_depth + 1, "eagle": 26, "eagle2": tree_sizes.get(T)}[method]
+
+
+def method_notes(args, tree_sizes) -> dict:
+    notes = {"vanilla": "one target forward per token",
+             "chain": f"static chain of {args.chain_depth} guesses (EAGLE draft, no tree)",
+             "eagle": "EAGLE-1 static tree mc_sim_7b_63: 26 nodes, depth 5",
+             "eagle2": f"EAGLE-2 dynamic tree: top_k {args.tree_top_k}, depth {args.tree_depth}, tokens {args.tree_tokens}"}
+    if args.tree_tokens == "auto":
+        chosen = ", ".join(f"T={T:g}: {n if n else 'vanilla decoding'}" for T, n in tree_sizes.items())
+        notes["eagle2"] += f" (chose {chosen})"
+    return {m: notes[m] for m in args.methods}
+
+
+def _fmt(x, spec=".2f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def mt_bench_markdown(report: dict) -> str:
+    lines = [f"# MT-bench: {report['model']}, {report['hardware']}", "",
+             f"- date: {report['date']}", f"- command: `{report['command']}`",
+             f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
+             f"attention: {report['attention']}, torch {report['torch']}",
+             f"- draft: {report['draft']}",
+             f"- {report['questions']} questions (both turns) from {Path(report['question_file']).name}, "
+             f"up to {report['max_new_tokens']} new tokens per answer",
+             *[f"- {m}: {note}" for m, note in report["methods"].items()],
+             f"- peak memory: {report['peak_memory_note']}", "",
+             "| method | temperature | tok/s | speedup | τ | equal to vanilla | peak memory (GB) | tokens | rounds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    overall = [r for r in report["records"] if r["category"] == "overall"]
+    for r in overall:
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | "
+                     f"{_fmt(r['mean_accepted'])} | {_fmt(r['equal_to_vanilla'], '.0%')} | {r['peak_memory_gb']:.2f} | "
+                     f"{r['tokens']} | {r['rounds']} |")
+    methods = list(report["methods"])
+    lines += ["", "Per category: vanilla tok/s, and speedup (τ) of each method.", "",
+              "| category | temperature | vanilla tok/s | " + " | ".join(methods[1:]) + " |",
+              "|---|---|---|" + "---|" * (len(methods) - 1)]
+    by_key = {(r["category"], r["temperature"], r["method"]): r for r in report["records"]}
+    for category, T in dict.fromkeys((r["category"], r["temperature"]) for r in report["records"]):
+        cells = [f"{by_key[category, T, m]['speedup']:.2f}× ({_fmt(by_key[category, T, m]['mean_accepted'])})"
+                 for m in methods[1:]]
+        lines.append(f"| {category} | {T:g} | {by_key[category, T, 'vanilla']['tokens_per_s']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def mt_bench_plot(report: dict, path: Path):
+    """Speedup over vanilla per category and overall, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = list(dict.fromkeys(r["temperature"] for r in report["records"]))
+    categories = list(dict.fromkeys(r["category"] for r in report["records"]))
+    methods = [m for m in report["methods"] if m != "vanilla"]
+    by_key = {(r["category"], r["temperature"], r["method"]): r["speedup"] for r in report["records"]}
+    fig, axes = plt.subplots(len(temps), 1, figsize=(max(6, 1.1 * len(categories)), 3.2 * len(temps)), squeeze=False)
+    width = 0.8 / max(1, len(methods))
+    for ax, T in zip(axes[:, 0], temps):
+        for i, m in enumerate(methods):
+            xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(categories))]
+            ax.bar(xs, [by_key[c, T, m] for c in categories], width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(categories)), categories, rotation=20)
+        ax.set_ylabel("speedup over vanilla")
+        ax.set_title(f"{report['model']}, temperature {T:g}, {report['dtype']} ({report['hardware'][:60]})", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights: roofline and round cost of a real-shaped model, no checkpoint needed
+# ---------------------------------------------------------------------------------------------
+def random_model(config: ModelArgs, device: str, dtype: torch.dtype) -> Transformer:
+    """Allocated once, directly on the device in its dtype (a 7B model never exists in float32)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_embeddings:  # to_empty made two tensors of the shared one
+        model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def copy_bandwidth_gb_s(device: str, nbytes: int, repeats: int = 20) -> float:
+    """Device-to-device copy of nbytes, counted as read + write (2 * nbytes per copy)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    gen.device_sync(device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    gen.device_sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - t) / 1e9
+
+
+def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
+    """Mean time of fn() over `calls` back-to-back calls (one sync at each end), after warm-up
+    calls that compile and record CUDA graphs."""
+    for _ in range(warmup):
+        fn()
+    gen.device_sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    gen.device_sync(device)
+    return (time.perf_counter() - t) / calls
+
+
+@torch.no_grad()
+def run_random_weights(args, argv=None) -> dict:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    args.attention = set_attention_backend(args.attention, device)
+    config = ModelArgs.from_name(args.model_name)
+    torch.manual_seed(args.seed)
+    model = random_model(config, device, dtype)
+    draft = EagleDraft(draft_config_for(config)).to(device=device, dtype=dtype).eval()
+    warmup, P, depth = 3, args.prompt_length, args.tree_depth
+    sizes = sorted(args.tree_sizes)
+    # prompt, warm-up and timed steps (a round emits at most depth + 1 tokens), then the largest tree region
+    context = P + (warmup + args.steps + 1) * (depth + 1) + 2 * (depth + 1)
+    model.setup_caches(1, context + sizes[-1])
+    draft.setup_caches(1, context + max(sizes[-1], gen.dynamic_tree_slots(args.tree_top_k, depth)))
+    weight_bytes = gen.model_bytes_per_token(model)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cache" in n)
+    draft_bytes = sum(t.numel() * t.element_size() for t in list(draft.parameters()) + list(draft.buffers()))
+    if args.compile:
+        allow_many_graphs()
+        gen.compile_decoding(device, args.compile_prefill)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+
+    copy_bytes = (1 << 30) if device.startswith("cuda") else (256 << 20)
+    copy_gb_s = copy_bandwidth_gb_s(device, copy_bytes)
+
+    # (a) vanilla decode: one step per call, positions after the prompt
+    prompt = torch.randint(0, config.vocab_size, (1, P), device=device)
+    token = gen.prefill(model, prompt, 0.0, None, None)
+    input_pos = torch.tensor([P], device=device)
+
+    def step():
+        nonlocal token
+        token = gen.decode_one_token(model, token.clone(), input_pos, 0.0, None, None)
+        input_pos.add_(1)
+
+    step_s = seconds_per_call(step, args.steps, device, warmup)
+    decode_gb_s = weight_bytes / step_s / 1e9
+
+    # (b) one EAGLE-2 round per tree size: draft catch-up and growth, verify, accept, compaction
+    rounds = []
+    for T in sizes:
+        spec = gen.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=depth, tree_tokens=T)
+        spec.setup(1, context)
+        if args.compile:
+            gen.compile_round(spec, args.compile_prefill)
+        spec.prefill(prompt, context - P - 2 * (depth + 1))
+        round_s = seconds_per_call(spec.round, args.steps, device, warmup)
+        rounds.append(dict(tree_tokens=T, round_ms=round_s * 1e3, cost_vs_step=round_s / step_s))
+        print(f"tree {T:4d}: a round takes {round_s * 1e3:.2f} ms = {round_s / step_s:.2f} vanilla steps", file=sys.stderr)
+
+    # (c) what those costs predict: a round emits tau tokens, vanilla needs tau steps for them
+    predicted = [dict(tau=tau, tree_tokens=r["tree_tokens"], speedup=tau / r["cost_vs_step"])
+                 for tau in args.tau for r in rounds]
+    copy_buffers = 2 * copy_bytes
+    return dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
+                weights="random", parameters=sum(p.numel() for p in model.parameters()),
+                weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
+                tree_top_k=args.tree_top_k, tree_depth=depth,
+                memory_needed_gb=(param_bytes + kv_bytes + draft_bytes + copy_buffers) / 1e9,
+                peak_memory_gb=peak_memory_gb(device),
+                copy_gb_s=copy_gb_s,
+                vanilla=dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=decode_gb_s,
+                             fraction_of_copy=decode_gb_s / copy_gb_s),
+                rounds=rounds, predicted=predicted)
+
+
+def random_weights_markdown(report: dict) -> str:
+    v = report["vanilla"]
+    lines = [f"# {report['model']} (random weights), {report['hardware']}", "",
+             f"- date: {report['date']}", f"- command: `{report['command']}`",
+             f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
+             f"attention: {report['attention']}, torch {report['torch']}",
+             f"- {report['parameters'] / 1e9:.3f} B parameters; a decode step reads "
+             f"{report['weight_bytes_per_token'] / 1e9:.3f} GB of weights; memory needed ≈ "
+             f"{report['memory_needed_gb']:.1f} GB (peak {report['peak_memory_gb']:.1f} GB)",
+             f"- prompt {report['prompt_length']} tokens; {report['steps']} timed steps / rounds; "
+             f"EAGLE-2 top_k {report['tree_top_k']}, depth {report['tree_depth']}, random draft", "",
+             "## (a) vanilla decode against the copy bandwidth", "",
+             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy |",
+             "|---|---|---|---|---|",
+             f"| {v['tokens_per_s']:.1f} | {v['step_ms']:.2f} | {v['gb_s']:.1f} | {report['copy_gb_s']:.1f} | "
+             f"{v['fraction_of_copy']:.0%} |", "",
+             "## (b) one EAGLE-2 round against one vanilla step", "",
+             "| tree tokens | round (ms) | cost in vanilla steps |", "|---|---|---|",
+             *[f"| {r['tree_tokens']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} |" for r in report["rounds"]],
+             "", "## (c) predicted speedup = τ × step / round", "",
+             "| τ | " + " | ".join(str(r["tree_tokens"]) for r in report["rounds"]) + " |",
+             "|---|" + "---|" * len(report["rounds"])]
+    for tau in dict.fromkeys(p["tau"] for p in report["predicted"]):
+        lines.append(f"| {tau:g} | " + " | ".join(f"{p['speedup']:.2f}×" for p in report["predicted"] if p["tau"] == tau) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    try:
+        report = run_random_weights(args, argv) if args.random_weights else run_mt_bench(args, argv)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    out = str(args.out)  # not with_suffix: "random-llama-3.1-8b" has a dot of its own
+    write_json(Path(out + ".json"), report)
+    if args.random_weights:
+        Path(out + ".md").write_text(random_weights_markdown(report))
+    else:
+        Path(out + ".md").write_text(mt_bench_markdown(report))
+        if not args.no_plot:
+            mt_bench_plot(report, Path(out + ".png"))
+    print(f"wrote {out}.json, .md" + ("" if args.no_plot or args.random_weights else " and .png"), file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()
