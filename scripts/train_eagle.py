@@ -252,7 +252,7 @@ def make_batches(items, batch_tokens: int, shuffle: bool, rng: random.Random):
     order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
     batches, current = [], []
     for i in order:
-        longest = max([len(items[j][0]) for j in current] + [len(items[i][0])])
+        longest = len(items[i][0])  # sorted by length: the newest item is the longest
         if current and longest * (len(current) + 1) > batch_tokens:
             batches.append(current)
             current = []
