@@ -345,10 +345,11 @@ EAGLE_TO_DRAFT = {
 
 
 def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
-    """DIR/draft.safetensors + DIR/draft_config.json (draft.load_draft's format) from an EAGLE-1/2
+    """DIR/draft.safetensors + DIR/draft_config.json (checkpoint.load_draft's format) from an EAGLE-1/2
     head in the reference layout in DIR; returns the folder. The target's embedding is not kept:
     the draft always uses the target's own."""
-    from draft import DRAFT_CONFIG, DRAFT_WEIGHTS, EagleDraft, save_draft
+    from checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, save_draft
+    from draft import EagleDraft
 
     folder = Path(eagle_dir)
     if not (folder / "config.json").is_file():

@@ -1,18 +1,33 @@
-"""The EAGLE-1/2 draft model, and the trees of candidate tokens it grows.
+"""The EAGLE draft models (EAGLE-1/2 and EAGLE-3), and the trees of candidate tokens they grow.
 
-The draft predicts the target's next feature (its final post-norm hidden state) one step ahead:
+EAGLE-1/2 (EagleDraft) predicts the target's next feature, its final post-norm hidden state f:
 
     x_t      = fc([embed(tok_{t+1}); f_t])          fc: Linear(2*dim -> dim), bias per checkpoint
     f^_{t+1} = decoder_layer(x_t)                   LLaMA layer without its input RMSNorm
-    logits   = lm_head(f^_{t+1})                    the target's own LM head, no final norm
+    logits   = target_lm_head(f^_{t+1})             the target's own LM head, no final norm
 
-Draft position t holds (f_t, tok_{t+1}). The target's embedding and LM head are reused, frozen,
-and not stored in the draft checkpoint. Tree-growing functions here take them as arguments.
+EAGLE-3 (Eagle3Draft) reads richer features and has a head of its own over a reduced vocabulary:
 
-A draft checkpoint is a folder with draft_config.json (the layer's shape) and draft.safetensors.
+    g_t      = fc([h^2_t; h^{L/2}_t; h^{L-3}_t])    the residual stream entering three target
+                                                    layers; fc: Linear(3*dim -> dim), no bias
+    a_t      = [input_norm(embed(tok_{t+1})); hidden_norm(g_t)]      (2*dim) feeds q, k and v
+    o_t      = g_t + attention(a_t);  o_t = o_t + mlp(post_norm(o_t))   the layer's output
+    logits   = lm_head(norm(o_t))                   over draft_vocab_size tokens; vocab[i] is the
+                                                    target id of draft token i
+
+Inside a tree, a node's own feature is the draft's output at its parent (f^ for EAGLE-1/2, the
+raw layer output o for EAGLE-3, which is never fused again). Draft position t holds
+(feature_t, tok_{t+1}). Both drafts use the target's embedding (and EAGLE-1/2 its LM head),
+frozen and not stored in the draft checkpoint; tree-growing functions take them as arguments.
+The two classes share one interface, which is all the rest of the code uses:
+
+    draft(embeds, features, input_pos, cache_pos, mask)   -> hidden [B, n, dim]
+    draft.log_probs(hidden, target_head)                  -> [B, n, draft vocabulary] float32
+    draft.target_ids(draft_ids)                           -> target token ids
+    draft.layer_ids, draft.select_features(final, layer_inputs)   which target features it reads
+
+Files (draft_config.json + draft.safetensors) are read and written by checkpoint.py.
 """
-import json
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -20,14 +35,49 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import KVCache, ModelArgs, TransformerBlock, TreeMask, precompute_rope
+from model import (
+    Attention,
+    FeedForward,
+    KVCache,
+    ModelArgs,
+    RMSNorm,
+    TransformerBlock,
+    TreeMask,
+    precompute_rope,
+)
 from tree import StaticTree, Tree, expand, rerank, tree_structure
 
-DRAFT_CONFIG = "draft_config.json"
-DRAFT_WEIGHTS = "draft.safetensors"
+
+def setup_draft_caches(draft, max_batch_size: int, max_seq_length: int):
+    """KV cache and RoPE tables of a one-layer draft (either kind); later calls with sizes that
+    already fit are free."""
+    if draft.max_seq_length >= max_seq_length and draft.max_batch_size >= max_batch_size:
+        return
+    draft.max_batch_size, draft.max_seq_length = max_batch_size, max_seq_length
+    c = draft.config
+    norm = draft.layer.ffn_norm.weight  # fc may be quantized (int8 weight): a norm has the float dtype
+    dtype, device = norm.dtype, norm.device
+    draft.layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+    cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+    draft.register_buffer("rope_cos", cos.to(device), persistent=False)
+    draft.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+
+def _positions(draft, embeds: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor], mask):
+    """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot."""
+    if draft.max_seq_length < 0:
+        raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+    B, n, _ = embeds.shape
+    input_pos = input_pos.expand(B, n)
+    cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, n)
+    if mask is None:
+        mask = torch.arange(draft.max_seq_length, device=embeds.device) <= cache_pos[..., None]
+    return input_pos, cache_pos, mask
 
 
 class EagleDraft(nn.Module):
+    layer_ids = ()  # reads the target's final feature
+
     def __init__(self, config: ModelArgs, fc_bias: bool = True):
         super().__init__()
         if config.n_layer != 1:
@@ -39,31 +89,89 @@ class EagleDraft(nn.Module):
         self.max_batch_size = self.max_seq_length = -1
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
-            return
-        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        c = self.config
-        norm = self.layer.ffn_norm.weight  # fc may be quantized (int8 weight): a norm has the float dtype
-        dtype, device = norm.dtype, norm.device
-        self.layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
-        cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        setup_draft_caches(self, max_batch_size, max_seq_length)
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
                 mask=None) -> Tensor:
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, dim] = f_t (true or
         predicted). Positions, slots and mask (dense or TreeMask) as in Transformer.forward.
         Returns f^_{t+1} [B, n, dim]."""
-        if self.max_seq_length < 0:
-            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-        B, n, _ = embeds.shape
-        input_pos = input_pos.expand(B, n)
-        cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, n)
-        if mask is None:
-            mask = torch.arange(self.max_seq_length, device=embeds.device) <= cache_pos[..., None]
+        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         return self.layer(x, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
+
+    def log_probs(self, hidden: Tensor, target_head) -> Tensor:
+        return F.log_softmax(target_head(hidden).float(), dim=-1)
+
+    def target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids  # the draft's vocabulary is the target's
+
+    def select_features(self, final: Tensor, layer_inputs: list) -> Tensor:
+        return final
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads the normed token embedding and the normed feature
+    side by side (2 * dim wide); the residual stream is the feature itself."""
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.input_norm = RMSNorm(config.dim, config.norm_eps)   # on the token embedding
+        self.hidden_norm = RMSNorm(config.dim, config.norm_eps)  # on the feature
+        self.attention = Attention(config, in_dim=2 * config.dim)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)     # post-attention norm
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, embeds, hidden, cos, sin, cache_pos, mask):
+        x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.attention(x, cos, sin, cache_pos, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def eagle3_layer_ids(n_layer: int) -> tuple:
+    """The target layers whose inputs EAGLE-3 fuses: a low, a middle and a high one."""
+    return (2, n_layer // 2, n_layer - 3)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: ModelArgs, draft_vocab_size: int, layer_ids: tuple):
+        super().__init__()
+        if config.n_layer != 1:
+            raise ValueError(f"an EAGLE-3 draft has one decoder layer, config says n_layer={config.n_layer}")
+        if not 1 <= draft_vocab_size <= config.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {config.vocab_size}], got {draft_vocab_size}")
+        self.config, self.draft_vocab_size, self.layer_ids = config, draft_vocab_size, tuple(layer_ids)
+        self.fc = nn.Linear(len(self.layer_ids) * config.dim, config.dim, bias=False)
+        self.layer = Eagle3Layer(config)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, draft_vocab_size, bias=False)
+        # vocab[i]: the target id of draft token i, ascending. (The reference stores the offsets
+        # d2t[i] = vocab[i] - i and the mask t2d; convert_hf_checkpoint.py translates.)
+        self.register_buffer("vocab", torch.arange(draft_vocab_size))
+        self.max_batch_size = self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        setup_draft_caches(self, max_batch_size, max_seq_length)
+
+    def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
+                mask=None) -> Tensor:
+        """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, 3 * dim] = the
+        target's fused layer inputs at t (fc is applied), or [B, n, dim] = the draft's own output
+        at t's parent, inside a tree (used as it is). Returns the layer's output o [B, n, dim]."""
+        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
+        features = features.to(embeds.dtype)
+        if features.size(-1) != self.config.dim:  # the shape says which: no data-dependent branch
+            features = self.fc(features)
+        return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
+
+    def log_probs(self, hidden: Tensor, target_head=None) -> Tensor:
+        return F.log_softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
+
+    def target_ids(self, draft_ids: Tensor) -> Tensor:
+        return self.vocab[draft_ids]
+
+    def select_features(self, final: Tensor, layer_inputs: list) -> Tensor:
+        return torch.cat(layer_inputs, dim=-1)
 
 
 def draft_config_for(target: ModelArgs, **overrides) -> ModelArgs:
@@ -73,68 +181,23 @@ def draft_config_for(target: ModelArgs, **overrides) -> ModelArgs:
     return ModelArgs(**fields)
 
 
-def save_draft(draft: EagleDraft, folder, dtype: Optional[torch.dtype] = None):
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in draft.state_dict().items()}
-    save_file(state, str(folder / DRAFT_WEIGHTS))
-    (folder / DRAFT_CONFIG).write_text(json.dumps({"model": draft.config.to_dict(), "fc_bias": draft.fc_bias}, indent=1))
-    return folder
-
-
-def load_draft(path, target_config: ModelArgs, device="cpu", dtype=torch.float32) -> EagleDraft:
-    """A draft folder (its draft.safetensors), or one weights file in it: draft.safetensors as
-    written by save_draft or convert_hf_checkpoint.py --eagle_dir, or draft_int8.safetensors /
-    draft_int4.gNN.safetensors written by quantize.py --draft. Checks that it fits the target."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    import quantize
-
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    config_file, weights = folder / DRAFT_CONFIG, (folder / DRAFT_WEIGHTS if path.is_dir() else path)
-    if not config_file.is_file() or not weights.is_file():
-        raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {weights.name} in {folder}")
-    meta = json.loads(config_file.read_text())
-    config = ModelArgs(**meta["model"])
-    if config.dim != target_config.dim:
-        raise ValueError(f"draft {folder} has hidden size {config.dim}, the target has {target_config.dim}")
-    if config.vocab_size != target_config.vocab_size:
-        raise ValueError(f"draft {folder} was made for a vocabulary of {config.vocab_size} tokens, "
-                         f"the target has {target_config.vocab_size}")
-    with torch.device("meta"):
-        draft = EagleDraft(config, fc_bias=meta["fc_bias"])
-    try:
-        state_dict = load_file(str(weights))
-        quantize.prepare_for_loading(draft, state_dict, weights)  # int8/int4 layers, when the file has them
-        draft.load_state_dict(state_dict, assign=True)
-    except (RuntimeError, SafetensorError) as e:
-        raise ValueError(f"{weights} does not match {config_file}: {e}") from None
-    return quantize.pack_int4(draft.to(device=device, dtype=dtype).eval())
-
-
 # ---------------------------------------------------------------------------------------------
 # Growing a tree. The draft's cache keeps the accepted prefix in its first slots and the tree in
 # a fixed region at its end; every tree node's entry sees the prefix and its ancestors' entries.
-#   embed: the target's embedding module; head: the target's LM head.
+#   draft: EagleDraft or Eagle3Draft; embed: the target's embedding module; head: the target's
+#   LM head (EAGLE-1/2 drafts read their logits through it).
 #   root [B]: the last token chosen by the target; root_hidden [B, dim]: the draft's output at
 #   the root's position (it predicts the feature after the root).
 #   prefix_len [B]: tokens in the target's cache; the root is token prefix_len, a depth-d node is
 #   token prefix_len + d, and its draft entry lives at draft position prefix_len + d - 1.
+# Tokens in a tree are target ids: an EAGLE-3 draft's choices are mapped as they are made.
 # ---------------------------------------------------------------------------------------------
-def _draft_logp(head, hidden: Tensor) -> Tensor:
-    return F.log_softmax(head(hidden).float(), dim=-1)
-
-
 def dynamic_tree_slots(top_k: int, depth: int) -> int:
     """Draft cache slots an EAGLE-2 tree needs: top_k frontier entries for each of depth - 1 levels."""
     return top_k * (depth - 1)
 
 
-def grow_dynamic_tree(draft: EagleDraft, embed, head, root: Tensor, root_hidden: Tensor, prefix_len: Tensor,
+def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, prefix_len: Tensor,
                       top_k: int, depth: int, n_nodes: int) -> Tree:
     """EAGLE-2: expand the top_k most probable nodes of each level, then keep the best n_nodes - 1.
 
@@ -148,12 +211,13 @@ def grow_dynamic_tree(draft: EagleDraft, embed, head, root: Tensor, root_hidden:
     k, device = top_k, root.device
     region = dynamic_tree_slots(k, depth)
     region_start = draft.max_seq_length - region
-    tokens, scores = expand(torch.zeros(B, 1, device=device), _draft_logp(head, root_hidden)[:, None], k)
+    tokens, scores = expand(torch.zeros(B, 1, device=device), draft.log_probs(root_hidden, head)[:, None], k)
+    tokens = draft.target_ids(tokens)
     pool_tokens, pool_scores = [tokens], [scores]
     pool_parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
     frontier_pool = torch.arange(k, device=device).expand(B, k)  # pool indices of the frontier
     frontier_tokens, frontier_scores = tokens, scores
-    frontier_features = root_hidden[:, None].expand(B, k, -1)  # f^ at each frontier node's parent
+    frontier_features = root_hidden[:, None].expand(B, k, -1)  # the draft's output at each frontier node's parent
     frontier_sees = torch.zeros(B, k, region, dtype=torch.bool, device=device)  # ancestors' region slots
     own_slot = torch.eye(region, dtype=torch.bool, device=device)
     pool_size = k
@@ -161,7 +225,8 @@ def grow_dynamic_tree(draft: EagleDraft, embed, head, root: Tensor, root_hidden:
         sees = frontier_sees | own_slot[(d - 1) * k: d * k]
         hidden = draft(embed(frontier_tokens), frontier_features, (prefix_len + d - 1)[:, None],
                        region_start + (d - 1) * k + torch.arange(k, device=device), TreeMask(prefix_len, sees))
-        child_tokens, child_scores = expand(frontier_scores, _draft_logp(head, hidden), k)  # [B, k * k]
+        child_tokens, child_scores = expand(frontier_scores, draft.log_probs(hidden, head), k)  # [B, k * k]
+        child_tokens = draft.target_ids(child_tokens)
         pool_tokens.append(child_tokens)
         pool_scores.append(child_scores)
         pool_parents.append(frontier_pool.repeat_interleave(k, dim=1))
@@ -179,33 +244,33 @@ def grow_dynamic_tree(draft: EagleDraft, embed, head, root: Tensor, root_hidden:
     return Tree(tokens, parents, node_depth, ancestors, paths)
 
 
-def grow_static_tree(draft: EagleDraft, embed, head, tree: StaticTree, root: Tensor, root_hidden: Tensor,
+def grow_static_tree(draft, embed, head, tree: StaticTree, root: Tensor, root_hidden: Tensor,
                      prefix_len: Tensor) -> Tree:
-    """EAGLE-1: fill a fixed tree shape. Level by level, one draft forward over the nodes of level d
-    gives their ranked children; node i takes its parent's ranks[i]-th most probable token.
-    Node i's entry occupies region slot i - 1 of the draft cache."""
+    """EAGLE-1: fill a fixed tree shape (its tensors on root's device: StaticTree.to). Level by
+    level: the draft's ranked guesses after every node of level d - 1 (one LM-head pass per node,
+    however many children it has), node i of level d takes its parent's ranks[i]-th guess, and
+    one draft forward over level d gives the outputs its children are guessed from. Node i's
+    entry occupies region slot i - 1 of the draft cache."""
     B, T = root.size(0), tree.parents.numel()
     device = root.device
     region_start = draft.max_seq_length - (T - 1)
-    n_ranks = int(tree.ranks.max()) + 1
-    parents, ranks = tree.parents.to(device), tree.ranks.to(device)
-    sees_all = tree.ancestors[:, 1:].to(device)  # region slot j holds node j + 1; the root is in the prefix
+    sees_all = tree.ancestors[:, 1:]  # region slot j holds node j + 1; the root is in the prefix
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)
     tokens[:, 0] = root
-    hidden = torch.zeros(B, T, draft.config.dim, dtype=root_hidden.dtype, device=device)  # f^ after each node
+    hidden = torch.zeros(B, T, draft.config.dim, dtype=root_hidden.dtype, device=device)  # output after each node
     hidden[:, 0] = root_hidden
     for d in range(1, tree.max_depth + 1):
-        level = tree.levels[d]
-        # this level's tokens: ranked children of their parents (all at depth d - 1, already expanded)
-        top = head(hidden[:, parents[level.start:level.stop]]).topk(n_ranks, dim=-1).indices  # [B, n, n_ranks]
-        tokens[:, level.start:level.stop] = top.gather(2, ranks[level.start:level.stop].expand(B, -1)[..., None])[..., 0]
+        level, above = tree.levels[d], tree.levels[d - 1]
+        guesses = draft.log_probs(hidden[:, above.start:above.stop], head).topk(tree.n_ranks, dim=-1).indices
+        parent_at = tree.parents[level.start:level.stop] - above.start  # [n] index within level d - 1
+        picked = guesses[:, parent_at, tree.ranks[level.start:level.stop]]  # [B, n]
+        tokens[:, level.start:level.stop] = draft.target_ids(picked)
         if d == tree.max_depth:
             break
         idx = torch.arange(level.start, level.stop, device=device)
         hidden[:, level.start:level.stop] = draft(
-            embed(tokens[:, level.start:level.stop]), hidden[:, parents[level.start:level.stop]],
+            embed(tokens[:, level.start:level.stop]), hidden[:, tree.parents[level.start:level.stop]],
             (prefix_len + d - 1)[:, None], region_start + idx - 1,
             TreeMask(prefix_len, sees_all[idx].expand(B, -1, -1)))
-    node_depth = tree.depth.to(device).expand(B, T)
-    return Tree(tokens, parents.expand(B, T), node_depth, tree.ancestors.to(device).expand(B, T, T),
-                tree.paths.to(device).expand(B, T, -1))
+    return Tree(tokens, tree.parents.expand(B, T), tree.depth.expand(B, T), tree.ancestors.expand(B, T, T),
+                tree.paths.expand(B, T, -1))

@@ -20,7 +20,7 @@ Weights are laid out as in Hugging Face checkpoints: q/k use the rotate-half RoP
 import importlib.util
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -268,12 +268,14 @@ class TransformerBlock(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, in_dim: Optional[int] = None):
+        """in_dim: the width of the input that q, k and v are computed from; config.dim except in
+        EAGLE-3's draft layer, which reads a token embedding and a feature side by side."""
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
         # q, k and v in one matmul: one weight read per decode step instead of three.
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
+        self.wqkv = nn.Linear(in_dim or config.dim, qkv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 

@@ -5,8 +5,8 @@
     python quantize.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
 
 write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming), or
-draft_int8.safetensors / draft_int4.g32.safetensors beside draft.safetensors. generate.py and
-draft.load_draft read the mode from the file name and check it against the file's contents:
+draft_int8.safetensors / draft_int4.g32.safetensors beside draft.safetensors. checkpoint.load_model and
+checkpoint.load_draft read the mode from the file name and check it against the file's contents:
 
     python generate.py --checkpoint_path checkpoints/NAME/model_int8.pth --speculate eagle2 \
         --draft_checkpoint_path checkpoints/NAME/eagle/draft_int8.safetensors
@@ -392,11 +392,13 @@ def _mode_name(mode, groupsize) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line
+# Command line. Everything above depends on model.py alone; the command reads and writes files
+# through checkpoint.py (which builds on the layers above), imported where it is used so that
+# importing this module never pulls it in.
 # ---------------------------------------------------------------------------------------------
 def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
     """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; returns the new path."""
-    from generate import load_model
+    from checkpoint import load_model
 
     path = Path(path)
     if mode_from_path(path)[0] is not None:
@@ -416,24 +418,16 @@ def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = Fals
 def quantize_draft(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
     """An EAGLE draft folder (or its draft.safetensors) -> draft_int8.safetensors /
     draft_int4.gNN.safetensors in the same folder; returns the new path."""
-    import json
-
     from safetensors.torch import save_file
 
-    from draft import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft
-    from model import ModelArgs
+    from checkpoint import DRAFT_WEIGHTS, draft_files, load_draft
 
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    if not (folder / DRAFT_CONFIG).is_file():
-        raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} in {folder}")
-    weights = path if path.is_file() else folder / DRAFT_WEIGHTS
+    _, _, weights = draft_files(path)
     if mode_from_path(weights)[0] is not None:
         raise ValueError(f"{weights.name} is already quantized: quantize the float {DRAFT_WEIGHTS}")
     out = quantized_path(weights, mode, groupsize)
     _refuse_to_overwrite(out, force)
-    # No target at hand: check the draft against its own config.
-    draft = load_draft(weights, ModelArgs(**json.loads((folder / DRAFT_CONFIG).read_text())["model"]))
+    draft = load_draft(weights)  # no target at hand to check it against
     for line in quantize_model(draft, mode, groupsize):
         print(line)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out))

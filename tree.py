@@ -80,10 +80,16 @@ class StaticTree(NamedTuple):
     ancestors: Tensor  # [T, T]
     paths: Tensor      # [T, max_depth + 1]
     levels: List[range]  # node indices of each depth: levels[d] = nodes at depth d
+    n_ranks: int       # 1 + the largest rank: how many guesses per node the tree reads
 
     @property
     def max_depth(self) -> int:
         return len(self.levels) - 1
+
+    def to(self, device) -> "StaticTree":
+        """The same tree with its tensors on device: a round then never copies from the host."""
+        return self._replace(**{name: getattr(self, name).to(device)
+                                for name in ("parents", "ranks", "depth", "ancestors", "paths")})
 
 
 def static_tree(choices: List[List[int]]) -> StaticTree:
@@ -106,7 +112,7 @@ def static_tree(choices: List[List[int]]) -> StaticTree:
     for d in range(1, max_depth + 1):
         at_d = [i for i, c in enumerate([()] + paths) if len(c) == d]
         levels.append(range(at_d[0], at_d[-1] + 1))
-    return StaticTree(parents_t, torch.tensor(ranks), depth[0], ancestors[0], node_paths[0], levels)
+    return StaticTree(parents_t, torch.tensor(ranks), depth[0], ancestors[0], node_paths[0], levels, max(ranks) + 1)
 
 
 # ---------------------------------------------------------------------------------------------

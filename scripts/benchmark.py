@@ -31,7 +31,6 @@ import os
 import platform
 import resource
 import shlex
-import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -43,7 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import generate as gen  # noqa: E402
-from draft import EagleDraft, draft_config_for, load_draft  # noqa: E402
+import speculative  # noqa: E402
+from checkpoint import load_draft, load_model  # noqa: E402
+from draft import EagleDraft, draft_config_for, dynamic_tree_slots  # noqa: E402
 from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
@@ -220,7 +221,7 @@ def build_decoders(args, model: Transformer, draft, stop_ids, context: int, prob
     tree_sizes = {T: args.tree_tokens for T in args.temperatures}
     if "eagle2" in args.methods and args.tree_tokens == "auto":
         for T in args.temperatures:
-            tree_sizes[T] = gen.auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
+            tree_sizes[T] = speculative.auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
                                                  tree_depth=args.tree_depth, temperature=T)
     statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]),
                "eagle": static_tree(mc_sim_7b_63)}
@@ -241,13 +242,13 @@ def build_decoders(args, model: Transformer, draft, stop_ids, context: int, prob
                                 decode_fn=gen.decode_one_token, **sampling)[0], None
         return decode
 
-    def speculative(spec):
+    def speculative_decoder(spec):
         spec.setup(1, context + 2 * (spec.depth + 1))
         if args.compile:
-            gen.compile_round(spec, args.compile_prefill)
+            speculative.compile_round(spec, args.compile_prefill)
 
         def decode(prompt_ids, max_new_tokens):
-            ids, per_round = gen.speculative_generate(spec, torch.tensor([prompt_ids], device=device), max_new_tokens)
+            ids, per_round = speculative.speculative_generate(spec, torch.tensor([prompt_ids], device=device), max_new_tokens)
             return ids[0], per_round[0]
         return decode
 
@@ -258,11 +259,11 @@ def build_decoders(args, model: Transformer, draft, stop_ids, context: int, prob
             if method == "vanilla" or (method == "eagle2" and tree_sizes[T] is None):
                 decoders[method, T] = vanilla(sampling)
             elif method == "eagle2":
-                decoders[method, T] = speculative(gen.Speculator(
+                decoders[method, T] = speculative_decoder(speculative.Speculator(
                     model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=tree_sizes[T],
                     stop_ids=stop_ids, **sampling))
             else:
-                decoders[method, T] = speculative(gen.Speculator(model, draft, static=statics[method],
+                decoders[method, T] = speculative_decoder(speculative.Speculator(model, draft, static=statics[method],
                                                                  stop_ids=stop_ids, **sampling))
     return decoders, tree_sizes
 
@@ -300,7 +301,7 @@ def run_mt_bench(args, argv=None) -> dict:
 
     device, dtype = args.device, getattr(torch, args.dtype)
     args.attention = set_attention_backend(args.attention, device)
-    model = gen.load_model(args.checkpoint_path, device, dtype)
+    model = load_model(args.checkpoint_path, device, dtype)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     draft = None
     if len(args.methods) > 1:
@@ -343,10 +344,10 @@ def run_mt_bench(args, argv=None) -> dict:
                     torch.manual_seed(args.seed + 1000 * index + turn)  # the same seed for every method
                     if device.startswith("cuda"):
                         torch.cuda.reset_peak_memory_stats(device)
-                    gen.device_sync(device)
+                    speculative.device_sync(device)
                     t = time.perf_counter()
                     ids, per_round = decoders[method, T](prompt_ids, max_new)
-                    gen.device_sync(device)
+                    speculative.device_sync(device)
                     seconds = time.perf_counter() - t
                     peaks[method, T] = max(peaks[method, T], peak_memory_gb(device))
                     if method == "vanilla":
@@ -475,11 +476,11 @@ def copy_bandwidth_gb_s(device: str, nbytes: int, repeats: int = 20) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    gen.device_sync(device)
+    speculative.device_sync(device)
     t = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    gen.device_sync(device)
+    speculative.device_sync(device)
     return 2 * nbytes * repeats / (time.perf_counter() - t) / 1e9
 
 
@@ -488,11 +489,11 @@ def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
     calls that compile and record CUDA graphs."""
     for _ in range(warmup):
         fn()
-    gen.device_sync(device)
+    speculative.device_sync(device)
     t = time.perf_counter()
     for _ in range(calls):
         fn()
-    gen.device_sync(device)
+    speculative.device_sync(device)
     return (time.perf_counter() - t) / calls
 
 
@@ -509,7 +510,7 @@ def run_random_weights(args, argv=None) -> dict:
     # prompt, warm-up and timed steps (a round emits at most depth + 1 tokens), then the largest tree region
     context = P + (warmup + args.steps + 1) * (depth + 1) + 2 * (depth + 1)
     model.setup_caches(1, context + sizes[-1])
-    draft.setup_caches(1, context + max(sizes[-1], gen.dynamic_tree_slots(args.tree_top_k, depth)))
+    draft.setup_caches(1, context + max(sizes[-1], dynamic_tree_slots(args.tree_top_k, depth)))
     weight_bytes = gen.model_bytes_per_token(model)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cache" in n)
@@ -539,10 +540,10 @@ def run_random_weights(args, argv=None) -> dict:
     # (b) one EAGLE-2 round per tree size: draft catch-up and growth, verify, accept, compaction
     rounds = []
     for T in sizes:
-        spec = gen.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=depth, tree_tokens=T)
+        spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=depth, tree_tokens=T)
         spec.setup(1, context)
         if args.compile:
-            gen.compile_round(spec, args.compile_prefill)
+            speculative.compile_round(spec, args.compile_prefill)
         spec.prefill(prompt, context - P - 2 * (depth + 1))
         round_s = seconds_per_call(spec.round, args.steps, device, warmup)
         rounds.append(dict(tree_tokens=T, round_ms=round_s * 1e3, cost_vs_step=round_s / step_s))

@@ -16,7 +16,7 @@ Three stages, each cached under --work_dir and resumed when rerun:
                 AdamW, warm-up and cosine decay, gradient clipping, bf16 autocast. With --unroll K
                 the draft is also trained on its own predictions K-1 steps deep (EAGLE-3's
                 "training-time test"), as it runs inside a tree.
-The head is written with draft.save_draft: its own weights only, not the target's embedding or
+The head is written with checkpoint.save_draft: its own weights only, not the target's embedding or
 LM head.
 """
 import argparse
@@ -35,8 +35,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from draft import EagleDraft, draft_config_for, save_draft  # noqa: E402
-from generate import Speculator, load_model, sample, speculative_generate  # noqa: E402
+from checkpoint import load_model, save_draft  # noqa: E402
+from draft import EagleDraft, draft_config_for  # noqa: E402
+from sampling import sample  # noqa: E402
+from speculative import Speculator, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 

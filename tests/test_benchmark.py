@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import generate as gen
+import speculative
+from checkpoint import save_draft
 from conftest import ROOT, mirrored_pair
 from convert_hf_checkpoint import convert_hf
-from draft import save_draft
 
 spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts/benchmark.py")
 bench = importlib.util.module_from_spec(spec)
@@ -86,7 +87,7 @@ def test_mt_bench_tree_tokens_auto(tiny_checkpoint, tmp_path, monkeypatch):
     decoding where they are not (costs made up; the measurement itself is tested below)."""
     checkpoint, questions = tiny_checkpoint
     costs = {0.0: (1.0, {8: (1.2, 3.0), 16: (1.3, 4.0)}), 1.0: (1.0, {8: (5.0, 1.5)})}
-    monkeypatch.setattr(gen, "measure_tree_costs", lambda *a, temperature, **k: costs[temperature])
+    monkeypatch.setattr(speculative, "measure_tree_costs", lambda *a, temperature, **k: costs[temperature])
     report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--num_questions", "1",
                          "--max_new_tokens", "12", "--device", "cpu", "--methods", "eagle2", "--tree_tokens", "auto",
                          "--no_plot", "--out", str(tmp_path / "auto")])
@@ -158,41 +159,41 @@ def test_missing_matplotlib_is_a_clear_error_before_the_run(tiny_checkpoint, tmp
 def test_auto_rule_picks_vanilla_when_verify_is_expensive():
     # a CPU: the cost of a round grows with the tree; 3-4 tokens per round do not pay for it
     cpu = {8: (2.5, 2.2), 16: (4.0, 3.0), 32: (8.0, 3.5), 64: (16.0, 4.0)}
-    choice, predicted = gen.choose_tree_tokens(1.0, cpu)
+    choice, predicted = speculative.choose_tree_tokens(1.0, cpu)
     assert choice is None and max(predicted.values()) < 1
     # a close call is not worth it: 1.05x predicted is within the margin
-    assert gen.choose_tree_tokens(1.0, {16: (2.0, 2.1)})[0] is None
-    assert gen.choose_tree_tokens(1.0, {})[0] is None
+    assert speculative.choose_tree_tokens(1.0, {16: (2.0, 2.1)})[0] is None
+    assert speculative.choose_tree_tokens(1.0, {})[0] is None
 
 
 def test_auto_rule_picks_the_fastest_tree_when_verify_is_cheap():
     # a GPU bound by reading the weights: verifying 64 tokens costs little more than one
     gpu = {16: (1.10, 3.0), 32: (1.15, 3.6), 64: (1.30, 4.2), 128: (2.00, 4.5)}
-    choice, predicted = gen.choose_tree_tokens(1.0, gpu)
+    choice, predicted = speculative.choose_tree_tokens(1.0, gpu)
     assert choice == 64 and predicted[64] == pytest.approx(4.2 / 1.3)
     # a slow GPU in between: only a small tree pays off
     slow = {4: (1.2, 1.9), 16: (3.0, 3.0), 64: (9.0, 4.0)}
-    assert gen.choose_tree_tokens(1.0, slow)[0] == 4
+    assert speculative.choose_tree_tokens(1.0, slow)[0] == 4
     # only the ratio of costs matters, not the unit
-    assert gen.choose_tree_tokens(1e-3, {T: (s * 1e-3, tau) for T, (s, tau) in gpu.items()})[0] == 64
+    assert speculative.choose_tree_tokens(1e-3, {T: (s * 1e-3, tau) for T, (s, tau) in gpu.items()})[0] == 64
 
 
 @torch.no_grad()
 def test_measure_tree_costs_reads_acceptance_and_stops_at_hopeless_sizes(monkeypatch):
     target, draft = mirrored_pair()
     prompt = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0))
-    step_s, rounds = gen.measure_tree_costs(target, draft, prompt, sizes=(64, 8, 1000), tree_top_k=4, tree_depth=4)
+    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(64, 8, 1000), tree_top_k=4, tree_depth=4)
     assert step_s > 0 and list(rounds) in ([8], [8, 64])  # smallest first; 1000 > 1 + 4 + 3 * 16 is skipped
     for seconds, tau in rounds.values():
         assert seconds > 0 and 1 <= tau <= 5
     assert rounds[8][1] > 2  # the mirrored draft's guesses are accepted
     # a round that costs more than tree_depth + 1 steps can never win: larger sizes are not measured
     clock = iter(range(0, 10 ** 6, 1))
-    monkeypatch.setattr(gen.time, "perf_counter", lambda: next(clock))  # every timed call takes 1 tick
-    step_s, rounds = gen.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: next(clock))  # every timed call takes 1 tick
+    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
     assert list(rounds) == [4, 8, 16]  # 3 * 1 tick / 1 tick: each size might still win
-    monkeypatch.setattr(gen, "AUTO_MIN_SPEEDUP", 3.5)
-    step_s, rounds = gen.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
+    monkeypatch.setattr(speculative, "AUTO_MIN_SPEEDUP", 3.5)
+    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
     assert list(rounds) == [4]
 
 
@@ -208,13 +209,13 @@ def test_make_decoder_auto_falls_back_to_vanilla_or_builds_the_chosen_tree(monke
     save_draft(draft, tmp_path / "eagle")
     prompt = [5, 7, 11, 13]
     expected = gen.generate(target, torch.tensor([prompt]), 20)[0]
-    monkeypatch.setattr(gen, "measure_tree_costs", lambda *a, **k: (1.0, {8: (5.0, 2.0), 16: (9.0, 3.0)}))
+    monkeypatch.setattr(speculative, "measure_tree_costs", lambda *a, **k: (1.0, {8: (5.0, 2.0), 16: (9.0, 3.0)}))
     args = _args(draft_checkpoint_path=tmp_path / "eagle")
     decode = gen.make_decoder(args, target, (), 64, prompt)
     assert args.speculate == "none" and args.tree_tokens is None
     ids, per_round = decode(prompt, 20)
     assert ids == expected and per_round is None  # vanilla decoding
-    monkeypatch.setattr(gen, "measure_tree_costs", lambda *a, **k: (1.0, {8: (1.2, 3.0), 16: (1.3, 4.0)}))
+    monkeypatch.setattr(speculative, "measure_tree_costs", lambda *a, **k: (1.0, {8: (1.2, 3.0), 16: (1.3, 4.0)}))
     args = _args(draft_checkpoint_path=tmp_path / "eagle")
     decode = gen.make_decoder(args, target, (), 64, prompt)
     assert args.speculate == "eagle2" and args.tree_tokens == 16

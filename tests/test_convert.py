@@ -406,7 +406,7 @@ def write_reference_eagle_head(draft, folder, safetensors: bool, embed=None):
 def test_published_eagle_head_converts_to_the_same_draft(tmp_path, fc_bias, safetensors):
     from conftest import random_draft, tiny_target
     from convert_hf_checkpoint import convert_eagle
-    from draft import load_draft
+    from checkpoint import load_draft
 
     target = tiny_target("tiny-llama")
     draft = random_draft(target, fc_bias=fc_bias, std=0.1)
@@ -425,7 +425,7 @@ def test_published_eagle_head_converts_to_the_same_draft(tmp_path, fc_bias, safe
 def test_eagle_head_errors(tmp_path, capsys):
     from conftest import random_draft, tiny_target
     from convert_hf_checkpoint import convert_eagle
-    from draft import load_draft
+    from checkpoint import load_draft
 
     target = tiny_target("tiny-llama")
     with pytest.raises(FileNotFoundError, match="no config.json"):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_draft, tiny_target
-from draft import (DRAFT_CONFIG, EagleDraft, draft_config_for, grow_dynamic_tree, grow_static_tree, load_draft,
-                   save_draft)
+from checkpoint import DRAFT_CONFIG, load_draft, save_draft
+from draft import EagleDraft, draft_config_for, grow_dynamic_tree, grow_static_tree
 from tree import MIN_STEP, mc_sim_7b_63, static_tree
 
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import generate as gen
+import sampling
 from convert_hf_checkpoint import convert_hf
 from conftest import ROOT
 
@@ -17,7 +19,7 @@ from conftest import ROOT
 @torch.no_grad()
 def test_greedy_equals_transformers_generate(tiny_hf_checkpoint, arch):
     folder = tiny_hf_checkpoint(arch)
-    model = gen.load_model(convert_hf(folder), "cpu", torch.float32)
+    model = checkpoint.load_model(convert_hf(folder), "cpu", torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for seed in range(3):
         prompt = torch.randint(0, 512, (1, 5 + 4 * seed), generator=torch.Generator().manual_seed(seed))
@@ -48,24 +50,24 @@ def test_stops_at_a_stop_token_and_compiled_matches_eager():
 
 def test_logits_to_probs_top_k_and_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
-    p = gen.logits_to_probs(logits, 1.0)
+    p = sampling.logits_to_probs(logits, 1.0)
     torch.testing.assert_close(p, torch.softmax(logits, -1))
-    top2 = gen.logits_to_probs(logits, 1.0, top_k=2)
+    top2 = sampling.logits_to_probs(logits, 1.0, top_k=2)
     assert (top2[0, 2:] == 0).all()
     torch.testing.assert_close(top2[0, :2], torch.softmax(logits[0, :2], -1))
     # top_p keeps the smallest prefix reaching the mass: p = [.55, .20, .12, .07, .03] (rounded)
-    assert (gen.logits_to_probs(logits, 1.0, top_p=0.5)[0, 1:] == 0).all()  # the top token alone
-    kept = gen.logits_to_probs(logits, 1.0, top_p=0.7)
+    assert (sampling.logits_to_probs(logits, 1.0, top_p=0.5)[0, 1:] == 0).all()  # the top token alone
+    kept = sampling.logits_to_probs(logits, 1.0, top_p=0.7)
     assert (kept[0, :2] > 0).all() and (kept[0, 2:] == 0).all()
     torch.testing.assert_close(kept.sum(-1), torch.ones(1))
     # temperature sharpens
-    assert gen.logits_to_probs(logits, 0.5)[0, 0] > p[0, 0]
+    assert sampling.logits_to_probs(logits, 0.5)[0, 0] > p[0, 0]
 
 
 def test_sampling_matches_the_distribution():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    draws = gen.sample_from(probs.expand(200_000, 4))
+    draws = sampling.sample_from(probs.expand(200_000, 4))
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     torch.testing.assert_close(freq, probs, atol=5e-3, rtol=0)
 

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import generate as gen
+import speculative
 from conftest import mirrored_pair, random_draft, tiny_target
 from convert_hf_checkpoint import convert_hf
 from model import FeedForward, ModelArgs, MoEFeedForward, Transformer
@@ -116,7 +118,7 @@ def test_converted_logits_equal_transformers(tiny_hf_checkpoint, layout):
 def test_greedy_equals_transformers_generate(tiny_hf_checkpoint):
     """Prefill runs the experts densely, each decode step gathers them."""
     folder = tiny_hf_checkpoint("mixtral")
-    model = gen.load_model(convert_hf(folder), "cpu", torch.float32)
+    model = checkpoint.load_model(convert_hf(folder), "cpu", torch.float32)
     reference = hf_model(folder)
     for seed in range(3):
         prompt = torch.randint(0, 512, (1, 5 + 4 * seed), generator=torch.Generator().manual_seed(seed))
@@ -155,19 +157,19 @@ def test_eagle_greedy_equals_vanilla_batched(method):
     """Verification routes the tree nodes of all rows at once and runs the experts densely;
     vanilla decoding, one row at a time, gathers them."""
     target = tiny_target("tiny-mixtral")
-    spec = gen.Speculator(target, random_draft(target), **METHODS[method])
+    spec = speculative.Speculator(target, random_draft(target), **METHODS[method])
     for seed in range(2):
         batch = torch.cat([p[:, :9] for p in prompts(4, 512, seed=seed, lengths=(9, 10))])
-        ids, _ = gen.speculative_generate(spec, batch, 40)
+        ids, _ = speculative.speculative_generate(spec, batch, 40)
         assert ids == [vanilla(target, batch[b:b + 1], 40)[0] for b in range(4)]
 
 
 def test_cli_speculate_on_a_converted_mixtral_equals_vanilla(tiny_hf_checkpoint, tmp_path):
-    from draft import save_draft
+    from checkpoint import save_draft
 
     folder = tiny_hf_checkpoint("mixtral")
     model_path = convert_hf(folder)
-    save_draft(random_draft(gen.load_model(model_path, "cpu", torch.float32)), folder / "eagle")
+    save_draft(random_draft(checkpoint.load_model(model_path, "cpu", torch.float32)), folder / "eagle")
     outputs = {}
     for method in ("none", "eagle", "eagle2"):
         report = tmp_path / f"{method}.json"
@@ -200,12 +202,12 @@ def test_eagle_greedy_equals_vanilla_with_long_acceptances_compiled(method):
     fullgraph=True makes any graph break (a host sync, a data-dependent shape) an error. The
     eager backend checks tracing only: inductor code generation is tested on the decode step."""
     target, draft = mirrored_mixtral_pair()
-    spec = gen.Speculator(target, draft, **METHODS[method])
+    spec = speculative.Speculator(target, draft, **METHODS[method])
     spec.setup(1, 128)
     round_fn = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), backend="eager", fullgraph=True)
     taus = []
     for prompt in prompts(6, 512, seed=1, lengths=(3, 40)):
-        ids, per_round = gen.speculative_generate(spec, prompt, 60, round_fn=round_fn)
+        ids, per_round = speculative.speculative_generate(spec, prompt, 60, round_fn=round_fn)
         assert ids == vanilla(target, prompt, 60)
         taus.append(sum(per_round[0]) / len(per_round[0]))
     assert sum(taus) / len(taus) > 2.5
@@ -254,15 +256,15 @@ def test_int8_experts_compute_with_their_dequantized_weights():
 def test_int8_checkpoint_loads_and_eagle2_is_lossless_on_it(tiny_hf_checkpoint):
     folder = tiny_hf_checkpoint("mixtral")
     path = quantize_checkpoint(convert_hf(folder), "int8")
-    model = gen.load_model(path, "cpu", torch.float32)
+    model = checkpoint.load_model(path, "cpu", torch.float32)
     assert isinstance(model.layers[0].feed_forward.w1, WeightOnlyInt8Experts)
-    in_memory = gen.load_model(folder / "model.pth", "cpu", torch.float32)
+    in_memory = checkpoint.load_model(folder / "model.pth", "cpu", torch.float32)
     quantize_model(in_memory, "int8")
     tokens = prompts(1, 512, seed=4)[0]
     model.setup_caches(1, 32)
     in_memory.setup_caches(1, 32)
     pos = torch.arange(tokens.size(1))
     torch.testing.assert_close(model(tokens, pos), in_memory(tokens, pos), atol=0, rtol=0)
-    spec = gen.Speculator(model, random_draft(model), **METHODS["eagle2"])
+    spec = speculative.Speculator(model, random_draft(model), **METHODS["eagle2"])
     for prompt in prompts(4, 512, seed=5):
-        assert gen.speculative_generate(spec, prompt, 30)[0] == vanilla(model, prompt, 30)
+        assert speculative.speculative_generate(spec, prompt, 30)[0] == vanilla(model, prompt, 30)

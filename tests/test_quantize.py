@@ -11,9 +11,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import generate as gen
+import speculative
+from checkpoint import load_draft, save_draft
 from conftest import mirrored_pair, random_draft, tiny_target
-from draft import load_draft, save_draft
 from quantize import (WeightOnlyInt4Linear, WeightOnlyInt8Linear, dequantize_int4, dequantize_int8, int4_kernel,
                       main, pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_nibbles)
 
@@ -170,7 +172,7 @@ def test_quantized_checkpoint_round_trip(tmp_path, capsys, mode, groupsize, name
     assert "tied LM head" in printed and "wrote" in printed
     assert ("padded" in printed) == (groupsize == 128)  # the tiny hidden size 64 < 128
 
-    loaded = gen.load_model(out, "cpu", torch.float32)
+    loaded = checkpoint.load_model(out, "cpu", torch.float32)
     assert isinstance(loaded.layers[1].attention.wqkv, CLASSES[mode]) and isinstance(loaded.output, CLASSES[mode])
     assert torch.equal(loaded.tok_embeddings.weight, target.tok_embeddings.weight)  # the table stays in float
     expected = quantized(copy.deepcopy(target), mode, groupsize or 32)
@@ -208,7 +210,7 @@ def test_generate_cli_speculates_on_quantized_files(tiny_hf_checkpoint, tmp_path
     from convert_hf_checkpoint import convert_hf
 
     model_path = convert_hf(tiny_hf_checkpoint("llama"))
-    target = gen.load_model(model_path, "cpu", torch.float32)
+    target = checkpoint.load_model(model_path, "cpu", torch.float32)
     save_draft(random_draft(target, std=0.2), model_path.parent / "eagle")
     int8 = main(["--checkpoint_path", str(model_path), "--mode", "int8"])
     draft = main(["--draft", "--checkpoint_path", str(model_path.parent / "eagle"), "--mode", "int4"])
@@ -229,15 +231,15 @@ def test_generate_cli_speculates_on_quantized_files(tiny_hf_checkpoint, tmp_path
 @torch.no_grad()
 def test_greedy_eagle2_equals_vanilla_on_quantized_tiny(mode):
     target = quantized(tiny_target("tiny-qwen2"), mode)
-    spec = gen.Speculator(target, random_draft(target, std=0.2))
+    spec = speculative.Speculator(target, random_draft(target, std=0.2))
     for prompt in prompts(6):
-        assert gen.speculative_generate(spec, prompt, 30)[0] == vanilla(target, prompt, 30)
+        assert speculative.speculative_generate(spec, prompt, 30)[0] == vanilla(target, prompt, 30)
     # a draft that mirrors the target (both quantized alike) gets long runs accepted
     target, draft = (quantized(m, mode) for m in mirrored_pair())
-    spec = gen.Speculator(target, draft)
+    spec = speculative.Speculator(target, draft)
     taus = []
     for prompt in prompts(6, seed=1):
-        ids, per_round = gen.speculative_generate(spec, prompt, 40)
+        ids, per_round = speculative.speculative_generate(spec, prompt, 40)
         assert ids == vanilla(target, prompt, 40)
         taus.append(sum(per_round[0]) / len(per_round[0]))
     assert sum(taus) / len(taus) > 2
@@ -248,16 +250,16 @@ def test_greedy_eagle2_equals_vanilla_on_smollm2_int8(smollm2_checkpoint):
     from conftest import ROOT
     from tokenizer import load_tokenizer
 
-    target = quantized(gen.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32), "int8")
+    target = quantized(checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32), "int8")
     tokenizer = load_tokenizer(smollm2_checkpoint)
     head = ROOT / "heads" / "SmolLM2-135M-Instruct"
     draft = load_draft(head, target.config) if head.is_dir() else random_draft(target)
     # a small tree keeps the test short; losslessness does not depend on the tree's size
-    spec = gen.Speculator(target, quantized(draft, "int8"), tree_top_k=4, tree_depth=3, tree_tokens=10,
+    spec = speculative.Speculator(target, quantized(draft, "int8"), tree_top_k=4, tree_depth=3, tree_tokens=10,
                           stop_ids=tokenizer.stop_ids)
     for text in ["What is the capital of France?", "Write a haiku about autumn.", "What is 12 times 7?"]:
         prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
-        assert gen.speculative_generate(spec, prompt, 12)[0] == vanilla(target, prompt, 12, stop_ids=tokenizer.stop_ids)
+        assert speculative.speculative_generate(spec, prompt, 12)[0] == vanilla(target, prompt, 12, stop_ids=tokenizer.stop_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def test_missing_files(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: no EAGLE draft at .*eagle: expected draft_config.json"):
         main(["--draft", "--checkpoint_path", str(tmp_path / "eagle"), "--mode", "int8"])
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
-        gen.load_model(tmp_path / "model_int8.pth", "cpu", torch.float32)
+        checkpoint.load_model(tmp_path / "model_int8.pth", "cpu", torch.float32)
     target = tiny_target()
     save_draft(random_draft(target), tmp_path / "eagle")
     with pytest.raises(FileNotFoundError, match="expected draft_config.json and draft_int8.safetensors"):
@@ -299,7 +301,7 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
         main(["--checkpoint_path", str(path), "--mode", "int8"])
     assert (tmp_path / "tiny" / "model_int8.pth").read_text() == "the user's own file"
     main(["--checkpoint_path", str(path), "--mode", "int8", "--force"])
-    assert isinstance(gen.load_model(tmp_path / "tiny" / "model_int8.pth", "cpu", torch.float32).output,
+    assert isinstance(checkpoint.load_model(tmp_path / "tiny" / "model_int8.pth", "cpu", torch.float32).output,
                       WeightOnlyInt8Linear)
 
 
@@ -315,7 +317,7 @@ def test_file_name_must_say_what_the_file_holds(tmp_path):
     shutil.copy(path.parent / "model_config.json", other)
     shutil.copy(int8, other / "model.pth")
     with pytest.raises(ValueError, match="model.pth holds int8 weights but its name says float"):
-        gen.load_model(other / "model.pth", "cpu", torch.float32)
+        checkpoint.load_model(other / "model.pth", "cpu", torch.float32)
     shutil.copy(path, other / "model_int4.g32.pth")
     with pytest.raises(ValueError, match="model_int4.g32.pth holds float weights but its name says int4 groupsize 32"):
-        gen.load_model(other / "model_int4.g32.pth", "cpu", torch.float32)
+        checkpoint.load_model(other / "model_int4.g32.pth", "cpu", torch.float32)

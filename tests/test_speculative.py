@@ -2,12 +2,14 @@
 token, sampled output is distributed exactly as vanilla sampling, and the KV cache after the
 rounds equals vanilla's."""
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoint
 import generate as gen
+import sampling
+import speculative
 from conftest import ROOT, mirrored_pair, random_draft, tiny_target
 from tree import Tree, mc_sim_7b_63, static_tree, tree_structure
 
@@ -35,9 +37,9 @@ def prompts(count, vocab, seed=0, lengths=(3, 17)):
 @torch.no_grad()
 def test_greedy_equals_vanilla_random_draft(method):
     target = tiny_target("tiny-llama")
-    spec = gen.Speculator(target, random_draft(target), **METHODS[method])
+    spec = speculative.Speculator(target, random_draft(target), **METHODS[method])
     for prompt in prompts(20, 512):
-        ids, _ = gen.speculative_generate(spec, prompt, 40)
+        ids, _ = speculative.speculative_generate(spec, prompt, 40)
         assert ids == vanilla(target, prompt, 40)
 
 
@@ -48,18 +50,18 @@ def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
     """A draft that mirrors the target gets most guesses accepted: deep paths, compaction of
     several tokens per round, and rows of a batch that accept different lengths."""
     target, draft = mirrored_pair()
-    spec = gen.Speculator(target, draft, **METHODS[method])
+    spec = speculative.Speculator(target, draft, **METHODS[method])
     spec.setup(4, 128)
-    round_fn = gen.compile_round(spec, compile_prefill=False).round if compiled else None
+    round_fn = speculative.compile_round(spec, compile_prefill=False).round if compiled else None
     taus = []
     for prompt in prompts(20, 512, seed=1, lengths=(3, 40)):
-        ids, per_round = gen.speculative_generate(spec, prompt, 60, round_fn=round_fn)
+        ids, per_round = speculative.speculative_generate(spec, prompt, 60, round_fn=round_fn)
         assert ids == vanilla(target, prompt, 60)
         taus.append(sum(per_round[0]) / len(per_round[0]))
     assert sum(taus) / len(taus) > 2.5  # the test exercises real acceptance
     # a batch of different prompts of one length: each row on its own schedule
     batch = torch.cat([p[:, :8] for p in prompts(4, 512, seed=2, lengths=(8, 9))])
-    ids, per_round = gen.speculative_generate(spec, batch, 60, round_fn=round_fn)
+    ids, per_round = speculative.speculative_generate(spec, batch, 60, round_fn=round_fn)
     assert ids == [vanilla(target, batch[b:b + 1], 60)[0] for b in range(4)]
     assert len({len(r) for r in per_round}) > 1  # the rows needed different numbers of rounds
 
@@ -68,13 +70,13 @@ def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
 @torch.no_grad()
 def test_stop_token_inside_an_accepted_run(method):
     target, draft = mirrored_pair(seed=3)
-    spec = gen.Speculator(target, draft, **METHODS[method])
+    spec = speculative.Speculator(target, draft, **METHODS[method])
     prompt = prompts(1, 512, seed=4)[0]
     full = vanilla(target, prompt, 60)[0]
     cut_inside_a_round = 0
     for stop in dict.fromkeys(full[3:40]):  # each distinct token as the stop token, once
         spec.stop_ids = torch.tensor([stop])
-        ids, per_round = gen.speculative_generate(spec, prompt, 60)
+        ids, per_round = speculative.speculative_generate(spec, prompt, 60)
         expected = full[:full.index(stop) + 1]
         assert ids[0] == expected
         cut_inside_a_round += 1 + sum(per_round[0]) > len(expected)  # the round went past the stop
@@ -85,10 +87,10 @@ def test_stop_token_inside_an_accepted_run(method):
 @torch.no_grad()
 def test_generation_up_to_the_end_of_the_cache(method):
     target, draft = mirrored_pair(block_size=64)
-    spec = gen.Speculator(target, draft, **METHODS[method])
+    spec = speculative.Speculator(target, draft, **METHODS[method])
     spec.setup(1, 64 + 2 * (spec.depth + 1))  # exactly what the last round can need
     prompt = prompts(1, 512, seed=5, lengths=(20, 21))[0]
-    ids, _ = gen.speculative_generate(spec, prompt, 44)
+    ids, _ = speculative.speculative_generate(spec, prompt, 44)
     assert spec.capacity == 64 + 2 * (spec.depth + 1) and len(ids[0]) == 44
     assert ids == vanilla(target, prompt, 44)
 
@@ -97,9 +99,9 @@ def test_generation_up_to_the_end_of_the_cache(method):
 def test_kv_cache_after_rounds_equals_vanilla_cache():
     target, draft = mirrored_pair(seed=6)
     fresh = copy.deepcopy(target)
-    spec = gen.Speculator(target, draft)
+    spec = speculative.Speculator(target, draft)
     prompt = prompts(1, 512, seed=7)[0]
-    ids, per_round = gen.speculative_generate(spec, prompt, 50)
+    ids, per_round = speculative.speculative_generate(spec, prompt, 50)
     assert max(per_round[0]) > 3  # several tokens were moved down at once
     n = int(spec.prefix_len[0])
     tokens = torch.cat([prompt[0], torch.tensor(ids[0])])[:n]  # the last token is the root: not in the cache
@@ -127,19 +129,19 @@ CHAT_PROMPTS = [
 
 @torch.no_grad()
 def test_greedy_equals_vanilla_on_smollm2(smollm2_checkpoint):
-    from draft import load_draft
+    from checkpoint import load_draft
     from tokenizer import load_tokenizer
 
-    target = gen.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32)
+    target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32)
     tokenizer = load_tokenizer(smollm2_checkpoint)
     head = ROOT / "heads" / "SmolLM2-135M-Instruct"
     draft = load_draft(head, target.config) if head.is_dir() else random_draft(target)
-    specs = {m: gen.Speculator(target, draft, stop_ids=tokenizer.stop_ids, **kw) for m, kw in METHODS.items()}
+    specs = {m: speculative.Speculator(target, draft, stop_ids=tokenizer.stop_ids, **kw) for m, kw in METHODS.items()}
     for text in CHAT_PROMPTS:
         prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
         expected = vanilla(target, prompt, 24, stop_ids=tokenizer.stop_ids)
         for method, spec in specs.items():
-            assert gen.speculative_generate(spec, prompt, 24)[0] == expected, (method, text)
+            assert speculative.speculative_generate(spec, prompt, 24)[0] == expected, (method, text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,9 +184,9 @@ def test_accept_samples_each_step_from_the_target(temperature, top_k, top_p):
                            [0.0, 0.2, -1.0, 2.0, 0.4, 0.1],    # at node 1: its child (3) likely
                            [0.3, 0.3, 0.3, 0.3, 0.3, 0.3],     # at node 2 (a leaf)
                            [2.0, -2.0, 0.0, 0.0, 1.0, -1.0]])  # at node 3 (a leaf)
-    node, n_acc, bonus = gen.accept(tree, logits.expand(B, 4, V), temperature, top_k, top_p)
+    node, n_acc, bonus = speculative.accept(tree, logits.expand(B, 4, V), temperature, top_k, top_p)
     out = emitted(tree, node, n_acc, bonus)
-    p = gen.logits_to_probs(logits, temperature, top_k, top_p)
+    p = sampling.logits_to_probs(logits, temperature, top_k, top_p)
     assert_frequencies([o[0] for o in out], p[0], "first token ~ p(root)")
     assert_frequencies([o[1] for o in out if o[0] == 1], p[1], "after token 1 ~ p(node 1)")
     assert_frequencies([o[1] for o in out if o[0] == 2], p[2], "after token 2 ~ p(node 2)")
@@ -198,7 +200,7 @@ def test_accept_greedy():
     logits[0, 0, 1], logits[0, 1, 3], logits[0, 3, 4] = 1, 1, 1  # 1, 3 accepted, then bonus 4
     logits[1, 0, 2], logits[1, 2, 0] = 1, 1                      # 2 accepted (a leaf), bonus 0
     logits[2, 0, 4] = 1                                          # nothing accepted, bonus 4
-    node, n_acc, bonus = gen.accept(tree, logits, 0.0)
+    node, n_acc, bonus = speculative.accept(tree, logits, 0.0)
     assert emitted(tree, node, n_acc, bonus) == [[1, 3, 4], [2, 0], [4]]
 
 
@@ -208,7 +210,7 @@ def test_accept_when_the_children_hold_all_the_mass():
     logits = torch.full((4, 6), -float("inf"))
     logits[:, 1], logits[:, 2] = 0.0, 1.0  # the root's children 1 and 2 hold all of p
     torch.manual_seed(1)
-    node, n_acc, bonus = gen.accept(tree, logits.expand(B, 4, 6), 1.0)
+    node, n_acc, bonus = speculative.accept(tree, logits.expand(B, 4, 6), 1.0)
     first = [o[0] for o in emitted(tree, node, n_acc, bonus)]
     assert set(first) <= {1, 2} and (n_acc >= 1).all()
     assert_frequencies(first, torch.softmax(logits[0], -1), "children only")
@@ -221,9 +223,9 @@ def exact_first_three(target, prompt, temperature, top_k, top_p):
     seqs = torch.cat([prompt.expand(V * V, L), pairs], 1)
     target.setup_caches(V * V, L + 2)
     logits = target(seqs, torch.arange(L + 2))
-    p1 = gen.logits_to_probs(logits[0, L - 1], temperature, top_k, top_p)
-    p2 = gen.logits_to_probs(logits[::V, L], temperature, top_k, top_p)  # [V(t1), V]
-    p3 = gen.logits_to_probs(logits[:, L + 1], temperature, top_k, top_p).view(V, V, V)
+    p1 = sampling.logits_to_probs(logits[0, L - 1], temperature, top_k, top_p)
+    p2 = sampling.logits_to_probs(logits[::V, L], temperature, top_k, top_p)  # [V(t1), V]
+    p3 = sampling.logits_to_probs(logits[:, L + 1], temperature, top_k, top_p).view(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -250,10 +252,10 @@ def test_eagle2_sampling_matches_vanilla_distribution(temperature, top_k, top_p)
     exact = exact_first_three(target, prompt, temperature, top_k, top_p)
     hotter = exact_first_three(target, prompt, temperature * 1.15, top_k, top_p)
 
-    spec = gen.Speculator(target, draft, tree_top_k=3, tree_depth=3, tree_tokens=10,
+    spec = speculative.Speculator(target, draft, tree_top_k=3, tree_depth=3, tree_tokens=10,
                           temperature=temperature, top_k=top_k, top_p=top_p)
     torch.manual_seed(123)
-    ids, per_round = gen.speculative_generate(spec, prompt.expand(N, -1), 3)
+    ids, per_round = speculative.speculative_generate(spec, prompt.expand(N, -1), 3)
     first3 = torch.tensor([row[:3] for row in ids])
     counts = torch.bincount(first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2], minlength=V ** 3)
     first_round = torch.tensor([r[0] for r in per_round])

@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
+import checkpoint
 import generate as gen
+import speculative
 import train_eagle as te
+from checkpoint import load_draft
 from conftest import random_draft, tiny_target
-from draft import load_draft
 from tokenizer import load_tokenizer
 
 
@@ -120,10 +122,10 @@ def test_training_lowers_the_loss_and_raises_tau():
 
     def tau(d):
         d.max_seq_length = -1  # training swapped its KV cache out: the Speculator makes a new one
-        spec = gen.Speculator(target, d.eval(), tree_top_k=4, tree_depth=4, tree_tokens=16)
+        spec = speculative.Speculator(target, d.eval(), tree_top_k=4, tree_depth=4, tree_tokens=16)
         rounds = []
         for ids, _, plen in held_out:
-            rounds += gen.speculative_generate(spec, ids[None, :plen], 30)[1][0]
+            rounds += speculative.speculative_generate(spec, ids[None, :plen], 30)[1][0]
         return sum(rounds) / len(rounds)
 
     trained_tau, random_tau = tau(draft), tau(untrained)
@@ -145,7 +147,7 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypat
     info = json.loads((out / "training.json").read_text())
     assert info["data"]["train_conversations"] > 0 and len(info["history"]) == 2
     assert "val_tau_eagle2" in info["history"][-1]
-    target = gen.load_model(model_path, "cpu", torch.float32)
+    target = checkpoint.load_model(model_path, "cpu", torch.float32)
     head = load_draft(out, target.config)
     assert head.fc_bias and "embed" not in " ".join(head.state_dict())  # the target's tables are not stored
     with pytest.raises(SystemExit):

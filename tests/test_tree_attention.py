@@ -15,6 +15,7 @@ import torch
 
 import generate as gen
 import model
+import speculative
 from conftest import mirrored_pair, tiny_target
 from tree import mc_sim_7b_63, static_tree, tree_attention_mask, tree_structure
 
@@ -175,14 +176,14 @@ def test_speculative_rounds_with_the_kernel_equal_the_sdpa_path(method, device, 
     target, draft = mirrored_pair(seed=2)
     target, draft = target.to(device), draft.to(device)
     if method == "eagle":
-        spec = gen.Speculator(target, draft, static=static_tree(mc_sim_7b_63))
+        spec = speculative.Speculator(target, draft, static=static_tree(mc_sim_7b_63))
     else:
-        spec = gen.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
+        spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
     prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
-    with_kernel, rounds = gen.speculative_generate(spec, prompt, 16)
+    with_kernel, rounds = speculative.speculative_generate(spec, prompt, 16)
     n_calls = len(kernel_calls)
     model.set_attention_backend("sdpa")
-    with_sdpa, _ = gen.speculative_generate(spec, prompt, 16)
+    with_sdpa, _ = speculative.speculative_generate(spec, prompt, 16)
     assert len(kernel_calls) == n_calls  # the SDPA run did not use the kernel
     assert with_kernel == with_sdpa == gen.generate(target, prompt, 16)
     # every round: the target's verify (one per layer) and the draft's tree levels but the last
@@ -195,12 +196,12 @@ def test_speculative_rounds_with_the_kernel_equal_the_sdpa_path(method, device, 
 def test_compiled_round_with_the_kernel_on_cuda(kernel_calls):
     """The kernel inside the one CUDA graph of a compiled round (prefix_len read on the device only)."""
     target, draft = (m.to("cuda") for m in mirrored_pair(seed=2))
-    spec = gen.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
+    spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
     spec.setup(2, 64)
-    round_fn = gen.compile_round(spec, compile_prefill=False).round
+    round_fn = speculative.compile_round(spec, compile_prefill=False).round
     prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3)).cuda()
     for _ in range(2):  # the second run replays the captured graph
-        ids, _ = gen.speculative_generate(spec, prompt, 16, round_fn=round_fn)
+        ids, _ = speculative.speculative_generate(spec, prompt, 16, round_fn=round_fn)
         assert ids == gen.generate(target, prompt, 16)
     assert kernel_calls  # traced into the graph
 

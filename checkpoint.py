@@ -1,0 +1,163 @@
+"""Reading and writing weights: the one place every caller loads a target or a draft from.
+
+    load_model(path, device, dtype)          model.pth, model_int8.pth, model_int4.gNN.pth
+    load_draft(path, target_config, ...)     an EAGLE draft folder or one of its weight files
+    save_draft(draft, folder)                draft_config.json + draft.safetensors
+
+Files come from convert_hf_checkpoint.py (float targets, converted EAGLE heads), quantize.py
+(int8/int4, the mode in the file name) and scripts/train_eagle.py (heads). Every file read here
+that is missing, cut short or not what its name says gives a one-line error naming the file,
+never a traceback from inside torch's zip reader or safetensors.
+"""
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import quantize
+from draft import Eagle3Draft, EagleDraft
+from model import ModelArgs, Transformer
+
+DRAFT_CONFIG = "draft_config.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+
+
+def read_state_dict(path) -> dict:
+    """The tensors of a .pth (memory-mapped) or .safetensors file, or a clear ValueError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except (RuntimeError, SafetensorError, OSError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot read {path}: the file is cut short or not a weights file "
+                         f"({first}); convert or download it again") from None
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict of tensors")
+    return state_dict
+
+
+def read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: not valid JSON ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------------------------
+def load_model(checkpoint_path, device, dtype) -> Transformer:
+    """model.pth as written by convert_hf_checkpoint.py, or model_int8.pth / model_int4.gNN.pth
+    written by quantize.py (the mode is in the name); config from model_config.json beside it
+    or from the folder's name. dtype None keeps the file's float dtype."""
+    checkpoint_path = Path(checkpoint_path)
+    if not checkpoint_path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint not found: {checkpoint_path}\n"
+            f"  prepare one with: bash scripts/prepare.sh SmolLM2-135M-Instruct   (or a Hugging Face repo id)")
+    try:
+        config = ModelArgs.from_checkpoint(checkpoint_path)
+    except (TypeError, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{checkpoint_path.parent / 'model_config.json'} is not a model config: {e}") from None
+    with torch.device("meta"):
+        model = Transformer(config)
+    state_dict = read_state_dict(checkpoint_path)
+    quantize.prepare_for_loading(model, state_dict, checkpoint_path)  # int8/int4 layers, when the file has them
+    tied = config.tie_embeddings and "output.weight" not in state_dict  # a quantized head is its own copy
+    if tied and "tok_embeddings.weight" in state_dict:
+        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
+    try:
+        model.load_state_dict(state_dict, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{checkpoint_path} does not fit its config {config}:\n{e}") from None
+    if tied:  # assign=True replaced the shared Parameter by two; share it again
+        model.output.weight = model.tok_embeddings.weight
+    return quantize.pack_int4(model.to(device=device, dtype=dtype).eval())
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafts: a folder with draft_config.json ({"model": the layer's ModelArgs, "arch": "eagle" or
+# "eagle3", ...}) and draft.safetensors (or a quantized draft_int8 / draft_int4.gNN file).
+# ---------------------------------------------------------------------------------------------
+def save_draft(draft, folder, dtype: Optional[torch.dtype] = None) -> Path:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
+             for k, v in draft.state_dict().items()}
+    save_file(state, str(folder / DRAFT_WEIGHTS))
+    (folder / DRAFT_CONFIG).write_text(json.dumps(draft_meta(draft), indent=1))
+    return folder
+
+
+def draft_meta(draft) -> dict:
+    """What draft_config.json records: enough to rebuild the module before loading its weights."""
+    if isinstance(draft, Eagle3Draft):
+        return {"arch": "eagle3", "model": draft.config.to_dict(), "draft_vocab_size": draft.draft_vocab_size,
+                "layer_ids": list(draft.layer_ids)}
+    return {"arch": "eagle", "model": draft.config.to_dict(), "fc_bias": draft.fc_bias}
+
+
+def draft_files(path):
+    """(folder, config file, weights file) of a draft folder or of one weights file in it."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    weights = folder / DRAFT_WEIGHTS if path.is_dir() else path
+    if not (folder / DRAFT_CONFIG).is_file() or not weights.is_file():
+        raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {weights.name} in {folder}")
+    return folder, folder / DRAFT_CONFIG, weights
+
+
+def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dtype=torch.float32):
+    """A draft folder (its draft.safetensors), or one weights file in it: draft.safetensors as
+    written by save_draft or convert_hf_checkpoint.py --eagle_dir, or draft_int8.safetensors /
+    draft_int4.gNN.safetensors written by quantize.py --draft. Returns an EagleDraft (EAGLE-1/2)
+    or an Eagle3Draft, whichever the folder holds, after checking that it fits the target
+    (target_config None: no target to check against, as when quantizing a draft alone)."""
+    folder, config_file, weights = draft_files(path)
+    meta = read_json(config_file)
+    try:
+        config = ModelArgs(**meta["model"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise ValueError(f"{config_file} is not a draft config: {e}") from None
+    arch = meta.get("arch", "eagle")
+    if target_config is not None:
+        check_draft_fits(folder, arch, config, meta, target_config)
+    with torch.device("meta"):
+        if arch == "eagle3":
+            draft = Eagle3Draft(config, meta["draft_vocab_size"], tuple(meta["layer_ids"]))
+        elif arch == "eagle":
+            draft = EagleDraft(config, fc_bias=meta["fc_bias"])
+        else:
+            raise ValueError(f"{config_file}: unknown draft arch {arch!r} (eagle or eagle3)")
+    state_dict = read_state_dict(weights)
+    quantize.prepare_for_loading(draft, state_dict, weights)  # int8/int4 layers, when the file has them
+    try:
+        draft.load_state_dict(state_dict, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{weights} does not match {config_file}: {e}") from None
+    draft = draft.to(device=device, dtype=dtype)
+    if arch == "eagle3":
+        draft.d2t = draft.d2t.long()  # a dtype cast must not turn the token map into floats
+    return quantize.pack_int4(draft.eval())
+
+
+def check_draft_fits(folder, arch: str, config: ModelArgs, meta: dict, target: ModelArgs):
+    """A clear error when a head was made for another target."""
+    if config.dim != target.dim:
+        raise ValueError(f"draft {folder} has hidden size {config.dim}, the target has {target.dim}")
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(f"draft {folder} was made for a vocabulary of {config.vocab_size} tokens, "
+                         f"the target has {target.vocab_size}")
+    if arch == "eagle3":
+        layer_ids = meta.get("layer_ids", [])
+        if any(not 0 <= i < target.n_layer for i in layer_ids):
+            raise ValueError(f"draft {folder} fuses target layers {layer_ids}, the target has {target.n_layer} "
+                             f"layers: it was made for another model")

@@ -1,0 +1,56 @@
+"""What every decoder shares, so that vanilla and speculative decoding emit the same tokens:
+the processed distribution a token is drawn from, the draw itself, and where an answer stops.
+
+Speculative decoding draws from exactly the distribution vanilla decoding does, which is what
+makes it lossless: keep every transformation of the logits inside logits_to_probs.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                    top_p: Optional[float] = None) -> Tensor:
+    """Temperature, then top-k, then top-p (nucleus), then renormalise. logits [..., V] -> probs."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix of the sorted tokens whose mass reaches top_p: a token is dropped
+        # when the tokens ranked above it already hold top_p. The top token is always kept.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: Tensor) -> Tensor:
+    """One draw from each row of probs without a host sync: argmax(p / E), E ~ Exp(1), picks
+    index i with probability p_i (the exponential-race form of the Gumbel-max trick)."""
+    noise = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def sample(logits: Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> Tensor:
+    """Next token from logits [..., V]; temperature 0 is greedy."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    return sample_from(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+def all_stopped(tokens: Tensor, stop: Tensor) -> bool:
+    """Whether every row of tokens [B, n] holds a stop token (stop: a 1-D tensor of ids)."""
+    return bool(torch.isin(tokens, stop).any(dim=1).all()) if stop.numel() else False
+
+
+def cut_at_stop(ids: list, stop_ids) -> list:
+    """ids up to and including the first stop token."""
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: i + 1]
+    return ids
