@@ -143,10 +143,7 @@ def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dt
         draft.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{weights} does not match {config_file}: {e}") from None
-    draft = draft.to(device=device, dtype=dtype)
-    if arch == "eagle3":
-        draft.d2t = draft.d2t.long()  # a dtype cast must not turn the token map into floats
-    return quantize.pack_int4(draft.eval())
+    return quantize.pack_int4(draft.to(device=device, dtype=dtype).eval())  # (.to leaves the long vocab map alone)
 
 
 def check_draft_fits(folder, arch: str, config: ModelArgs, meta: dict, target: ModelArgs):

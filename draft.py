@@ -129,8 +129,10 @@ class Eagle3Layer(nn.Module):
 
 
 def eagle3_layer_ids(n_layer: int) -> tuple:
-    """The target layers whose inputs EAGLE-3 fuses: a low, a middle and a high one."""
-    return (2, n_layer // 2, n_layer - 3)
+    """The target layers whose inputs EAGLE-3 fuses: a low, a middle and a high one, (2, L // 2,
+    L - 3) as published (HF hidden_states[2], [L // 2], [L - 3]); clamped into range for the tiny
+    test models, where they may repeat."""
+    return tuple(min(max(i, 0), n_layer - 1) for i in (2, n_layer // 2, n_layer - 3))
 
 
 class Eagle3Draft(nn.Module):

@@ -216,10 +216,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
-                mask=None, return_features: bool = False, layer_ids=()):
+                mask=None, return_features: bool = False, layer_ids=(), kv_len: Optional[int] = None):
         """idx [B, T] token ids; input_pos [B, T] (or [T], shared by all rows) RoPE positions;
         cache_pos: slots to write, default = input_pos; mask [B, T, S] bool or a TreeMask, default
-        causal by slot.
+        causal by slot. kv_len: a host int promising that no query sees a slot >= kv_len, so that
+        attention reads only the cache's first kv_len slots instead of all S: eager decoding on a
+        CPU passes the live length (a compiled step keeps the static S; a TreeMask needs all S).
 
         Returns logits [B, T, vocab]; with return_features or layer_ids, the tuple
         (logits, features, layer_inputs): features is the final post-norm hidden state that the
@@ -230,9 +232,15 @@ class Transformer(nn.Module):
         B, T = idx.shape
         input_pos = input_pos.expand(B, T)
         cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, T)
-        slots = torch.arange(self.max_seq_length, device=idx.device)
+        if any(not 0 <= i < len(self.layers) for i in layer_ids):
+            raise ValueError(f"layer_ids {tuple(layer_ids)} name layers the model does not have (it has {len(self.layers)})")
+        if kv_len is not None and (isinstance(mask, TreeMask) or not 0 < kv_len <= self.max_seq_length):
+            raise ValueError(f"kv_len must be in [1, {self.max_seq_length}] and comes without a TreeMask, got {kv_len}")
+        slots = torch.arange(self.max_seq_length if kv_len is None else kv_len, device=idx.device)
         if mask is None:
             mask = slots <= cache_pos[..., None]
+        elif kv_len is not None:
+            mask = mask[..., :kv_len]
         if self.config.sliding_window is not None:
             if isinstance(mask, TreeMask):  # the fused kernel knows no window: the dense path
                 mask = tree_attention_mask(mask.visible, mask.prefix_len, self.max_seq_length)
@@ -242,15 +250,15 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [B, T, head_dim]
 
         x = self.tok_embeddings(idx)
-        layer_inputs = []
+        seen = {}  # layer index -> the residual stream entering it
         for i, layer in enumerate(self.layers):
             if i in layer_ids:
-                layer_inputs.append(x)
-            x = layer(x, cos, sin, cache_pos, mask)
+                seen[i] = x
+            x = layer(x, cos, sin, cache_pos, mask, kv_len)
         features = self.norm(x)
         logits = self.output(features)
         if return_features or layer_ids:
-            return logits, features, layer_inputs
+            return logits, features, [seen[i] for i in layer_ids]  # in the order asked for
         return logits
 
 
@@ -262,8 +270,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x, cos, sin, cache_pos, mask):
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache_pos, mask)
+    def forward(self, x, cos, sin, cache_pos, mask, kv_len=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache_pos, mask, kv_len)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -279,7 +287,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x, cos, sin, cache_pos, mask):
+    def forward(self, x, cos, sin, cache_pos, mask, kv_len=None):
         B, T, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -288,6 +296,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(cache_pos, k, v)
+        if kv_len is not None:  # the slots past it are invisible: do not read them
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
         y = attention(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 

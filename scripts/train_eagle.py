@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import load_model, save_draft  # noqa: E402
-from draft import EagleDraft, draft_config_for  # noqa: E402
+from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids  # noqa: E402
+from model import apply_rope  # noqa: E402
 from sampling import sample  # noqa: E402
 from speculative import Speculator, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -64,18 +65,37 @@ class Preset:
     ce_fraction: float = 0.25    # share of positions that get the CE term in training (validation: all)
     unroll: int = 2              # training-time test depth (1 = plain EAGLE-1/2 training)
     unroll_decay: float = 0.8    # loss weight of unrolled step k: decay ** (k - 1)
+    # EAGLE-3 only
+    multi_turn_fraction: float = 0.5  # conversations where the target also writes the user's follow-up
+    keep_top: int = 64           # the target's most probable next tokens recorded per position
+    draft_vocab_size: int = 8192  # the draft's reduced vocabulary: the most frequent answer tokens
+    tau_depth: int = 6           # tree depth of the tau measured after each epoch
 
 
 PRESETS = {
-    # SmolLM2-135M on a 2-core CPU (bf16 matmuls). The shipped head: prompts ~0.5 h, answers of the
-    # first 32 of 47 batches (--max_answer_batches 32, 1.15M tokens) 47 min, 6 epochs 64 min.
-    "smollm2-cpu": Preset(),
-    # A GPU: more data and epochs; the 135M target trains in minutes, a 7B one in hours.
-    "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
-                  lr=3e-4, warmup_steps=500, unroll=3),
-    # Seconds, for tests.
-    "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
-                   batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
+    "eagle": {
+        # SmolLM2-135M on a 2-core CPU (bf16 matmuls). The shipped EAGLE-2 head: prompts ~0.5 h, answers of
+        # the first 32 of 47 batches (--max_answer_batches 32, 1.15M tokens) 47 min, 6 epochs 64 min.
+        "smollm2-cpu": Preset(),
+        # A GPU: more data and epochs; the 135M target trains in minutes, a 7B one in hours.
+        "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
+                      lr=3e-4, warmup_steps=500, unroll=3),
+        # Seconds, for tests.
+        "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
+                       batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
+    },
+    "eagle3": {
+        # SmolLM2-135M on a 2-core CPU: about two hours of data and training (see the README's
+        # training record for the shipped head's measured times).
+        "smollm2-cpu": Preset(n_prompts=6000, answer_max_tokens=256, epochs=3, unroll=5, lr=1e-3,
+                              warmup_steps=100, draft_vocab_size=8192),
+        # A GPU: the reference's recipe scaled to what the data stage can write in a few hours.
+        "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
+                      lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8),
+        "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
+                       batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25, unroll=3, keep_top=8,
+                       draft_vocab_size=256, tau_depth=4),
+    },
 }
 
 
@@ -85,40 +105,67 @@ PRESETS = {
 # overwritten by that row's next token before the row ever attends to it.
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def generate_batch(model, prompts, max_new_tokens, temperature, top_p, stop_ids):
-    """prompts: lists of ids. Returns (ids, features) per row: prompt + answer (cut after the first
-    stop token) and the target's features at every one of those tokens, float16 on the CPU."""
+def generate_batch(model, prompts, max_new_tokens, temperature, top_p, stop_ids, layer_ids=None, keep_top=0,
+                   chunk=16):
+    """prompts: lists of ids. Returns one dict per row: "ids", the prompt + answer (cut after the
+    first stop token), and for every one of those tokens "features", float16 on the CPU: the
+    target's final post-norm hidden state (EAGLE-1/2), or with layer_ids the residual streams
+    entering those layers, concatenated (EAGLE-3); with keep_top, also "top_ids" int32 and
+    "top_probs" float16 [n, keep_top]: the keep_top most probable next tokens at each position
+    under the target's own distribution (temperature 1), which EAGLE-3 trains against.
+
+    The prompts are prefilled chunk positions at a time (so that [rows, chunk, vocab] logits stay
+    small) and attention reads only the live slots (kv_len): both keep a batch of 100+ rows fast."""
     device = model.norm.weight.device
     B, lengths = len(prompts), torch.tensor([len(p) for p in prompts], device=device)
     L = int(lengths.max())
     model.setup_caches(B, L + max_new_tokens + 1)
     padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=device)
-    logits, features, _ = model(padded, torch.arange(L, device=device), return_features=True)
+    record = []  # per position: (features [B, c, F], top_ids, top_probs) on the CPU
+
+    def forward(tokens, pos, kv_len):
+        logits, final, layer_inputs = model(tokens, pos, return_features=True, layer_ids=layer_ids or (),
+                                            kv_len=kv_len)
+        feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
+        top = torch.softmax(logits.float(), dim=-1).topk(keep_top, dim=-1) if keep_top else None
+        record.append((feats.half().cpu(), *((top.indices.int().cpu(), top.values.half().cpu()) if top else ())))
+        return logits
+
+    last = torch.zeros(B, model.config.vocab_size, device=device)
     rows = torch.arange(B, device=device)
-    steps_tokens, steps_features = [], []
-    token = sample(logits[rows, lengths - 1], temperature, None, top_p)
+    for c0 in range(0, L, chunk):
+        c1 = min(L, c0 + chunk)
+        logits = forward(padded[:, c0:c1], torch.arange(c0, c1, device=device), c1)
+        inside = (lengths - 1 >= c0) & (lengths - 1 < c1)  # rows whose last prompt token is in this chunk
+        last = torch.where(inside[:, None], logits[rows, (lengths - 1 - c0).clamp(0, c1 - c0 - 1)], last)
+    n_prompt = len(record)
+    token = sample(last, temperature, None, top_p)
     stop = torch.tensor(sorted(stop_ids), device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    pos = lengths.clone()
+    pos, steps_tokens = lengths.clone(), []
     for step in range(max_new_tokens):
-        # Feeding the token gives its feature (needed as the last training target) and the next token.
-        logits, feats, _ = model(token[:, None], pos[:, None], return_features=True)
+        # Feeding the token gives its features (the last position's are a training target too)
+        # and the next token.
+        logits = forward(token[:, None], pos[:, None], L + step + 1)
         steps_tokens.append(token)
-        steps_features.append(feats[:, 0])
         done |= torch.isin(token, stop)
         if step % 8 == 7 and bool(done.all()):
             break
         token = sample(logits[:, -1], temperature, None, top_p)
         pos += 1
     new_tokens = torch.stack(steps_tokens, 1).cpu()
-    new_features = torch.stack(steps_features, 1).half().cpu()
-    features = features.half().cpu()
+    columns = [torch.cat(parts, dim=1) for parts in zip(*record[:n_prompt])]  # the prompt's positions
+    steps = [torch.cat(parts, dim=1) for parts in zip(*record[n_prompt:])]    # then one per new token
+    names = ["features", "top_ids", "top_probs"]
     out = []
     for b in range(B):
         answer = new_tokens[b].tolist()
         n = next((i + 1 for i, t in enumerate(answer) if t in stop_ids), len(answer))
-        out.append((prompts[b] + answer[:n],
-                    torch.cat([features[b, :len(prompts[b])], new_features[b, :n]])))
+        plen = len(prompts[b])
+        row = {"ids": prompts[b] + answer[:n]}
+        for name, prompt_part, answer_part in zip(names, columns, steps):
+            row[name] = torch.cat([prompt_part[b, :plen], answer_part[b, :n]])
+        out.append(row)
     return out
 
 
@@ -161,9 +208,9 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
         if attempts > 20 * preset.n_prompts + 10 * preset.gen_batch:
             raise RuntimeError(f"only {len(prompts)} usable prompts after {attempts} samples: is the chat "
                                f"template right for this model?")
-        for ids, _ in generate_batch(model, [prefix] * preset.gen_batch, preset.prompt_max_tokens,
-                                     preset.prompt_temperature, preset.prompt_top_p, stop_ids):
-            answer = ids[len(prefix):]
+        for row in generate_batch(model, [prefix] * preset.gen_batch, preset.prompt_max_tokens,
+                                  preset.prompt_temperature, preset.prompt_top_p, stop_ids):
+            answer = row["ids"][len(prefix):]
             if not answer or answer[-1] not in stop_ids:
                 continue  # ran out of tokens: a truncated message
             text = tokenizer.decode(answer[:-1]).strip()
@@ -201,8 +248,8 @@ def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path,
         torch.manual_seed(seed + n)
         results = generate_batch(model, [chats[i] for i in batch], preset.answer_max_tokens, temperature,
                                  None, set(tokenizer.stop_ids))
-        torch.save({"ids": [torch.tensor(ids, dtype=torch.int32) for ids, _ in results],
-                    "features": [f for _, f in results],
+        torch.save({"ids": [torch.tensor(r["ids"], dtype=torch.int32) for r in results],
+                    "features": [r["features"] for r in results],
                     "prompt_len": [len(chats[i]) for i in batch],
                     "split": [jobs[i][0] for i in batch],
                     "temperature": temperature}, shard)
@@ -216,6 +263,136 @@ def load_shards(data_dir: Path):
             if len(ids) > plen + 1:  # at least one answer token to learn from
                 data[split].append((ids.long(), feats, plen))
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2 for EAGLE-3: conversations of one or two turns. For a two-turn conversation the target
+# writes the user's follow-up too (Magpie again, after its own first answer), then answers it, so
+# that second turns like MT-bench's are in the data. Each record holds the whole conversation as
+# the chat template encodes it, the three layers' inputs and the target's top keep_top next-token
+# probabilities at every token, and which tokens are the assistant's (the ones learned).
+# ---------------------------------------------------------------------------------------------
+def next_user_prefix(tokenizer, messages):
+    """The token ids of the conversation `messages` followed by the template's opening of the
+    next user message (the Magpie prompt for a follow-up)."""
+    a = tokenizer.apply_chat_template(messages + [{"role": "user", "content": "A"}], add_generation_prompt=False)
+    b = tokenizer.apply_chat_template(messages + [{"role": "user", "content": "B"}], add_generation_prompt=False)
+    n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return a[:n]
+
+
+def answer_spans(ids, starts, stop_ids):
+    """For each start (where an assistant answer begins), the span [start, end) up to and including
+    the answer's stop token."""
+    spans = []
+    for start in starts:
+        end = next((i + 1 for i in range(start, len(ids)) if ids[i] in stop_ids), len(ids))
+        spans.append((start, end))
+    return spans
+
+
+def conversation_record(row, spans):
+    """What a shard stores per conversation; learn[p]: the token after position p is an answer token."""
+    learn = torch.zeros(len(row["ids"]), dtype=torch.bool)
+    for start, end in spans:
+        learn[start - 1:end - 1] = True
+    return {"ids": torch.tensor(row["ids"], dtype=torch.int32), "features": row["features"],
+            "top_ids": row["top_ids"], "top_probs": row["top_probs"], "learn": learn}
+
+
+def make_conversations(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path, seed: int,
+                       layer_ids, max_batches: int | None = None):
+    """Shards conv_NNNNN.pt of conversation records, one per generation batch, so that an
+    interrupted run resumes where it stopped. Greedy and sampled (temperature 1) conversations
+    come in separate batches, each batch of prompts of similar length."""
+    jobs = [(split, text) for split in ("train", "val") for text in prompts[split]]
+    rng = random.Random(seed)
+    sampled = [rng.random() < preset.sampled_fraction for _ in jobs]
+    two_turns = [rng.random() < preset.multi_turn_fraction for _ in jobs]
+    chat = lambda messages, gen=True: tokenizer.apply_chat_template(messages, add_generation_prompt=gen)  # noqa: E731
+    firsts = [chat([{"role": "user", "content": text}]) for _, text in jobs]
+    order = sorted(range(len(jobs)), key=lambda i: (sampled[i], len(firsts[i])))
+    batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)][:max_batches]
+    stop_ids = set(tokenizer.stop_ids)
+    for n, batch in enumerate(tqdm(batches, desc="conversations", unit="batch")):
+        shard = data_dir / f"conv_{n:05d}.pt"
+        if shard.is_file():
+            continue
+        temperature = 1.0 if sampled[batch[0]] else 0.0
+        torch.manual_seed(seed + n)
+        turn1 = generate_batch(model, [firsts[i] for i in batch], preset.answer_max_tokens, temperature, None,
+                               stop_ids, layer_ids, preset.keep_top)
+        records, seconds = {}, []
+        for j, i in enumerate(batch):
+            finished = turn1[j]["ids"][-1] in stop_ids
+            if two_turns[i] and finished:  # a cut-off answer gets no follow-up
+                answer = tokenizer.decode(turn1[j]["ids"][len(firsts[i]):-1])
+                seconds.append((j, [{"role": "user", "content": jobs[i][1]}, {"role": "assistant", "content": answer}]))
+            else:
+                records[j] = conversation_record(turn1[j], answer_spans(turn1[j]["ids"], [len(firsts[i])], stop_ids))
+        if seconds:
+            follow = generate_batch(model, [next_user_prefix(tokenizer, m) for _, m in seconds],
+                                    preset.prompt_max_tokens, preset.prompt_temperature, preset.prompt_top_p,
+                                    stop_ids, layer_ids=None)
+            kept, seen = [], set()
+            for (j, messages), row in zip(seconds, follow):
+                text = row["ids"][len(next_user_prefix(tokenizer, messages)):]
+                text = tokenizer.decode(text[:-1]).strip() if text and text[-1] in stop_ids else ""
+                if text and keep_prompt(text, seen):
+                    kept.append((j, messages + [{"role": "user", "content": text}]))
+                else:  # no usable follow-up: keep the first turn alone
+                    i = batch[j]
+                    records[j] = conversation_record(turn1[j], answer_spans(turn1[j]["ids"], [len(firsts[i])], stop_ids))
+            if kept:
+                prompts2 = [chat(m) for _, m in kept]
+                turn2 = generate_batch(model, prompts2, preset.answer_max_tokens, temperature, None, stop_ids,
+                                       layer_ids, preset.keep_top)
+                for (j, messages), prompt2, row in zip(kept, prompts2, turn2):
+                    start1 = len(chat(messages[:1]))
+                    records[j] = conversation_record(row, answer_spans(row["ids"], [start1, len(prompt2)], stop_ids))
+        torch.save({"records": [records[j] for j in range(len(batch))],
+                    "split": [jobs[i][0] for i in batch], "temperature": temperature}, shard)
+
+
+def load_conversations(data_dir: Path):
+    data = {"train": [], "val": []}
+    for shard in sorted(data_dir.glob("conv_*.pt")):
+        s = torch.load(shard, weights_only=True)
+        for record, split in zip(s["records"], s["split"]):
+            if record["learn"].any():
+                data[split].append(record)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3's reduced vocabulary
+# ---------------------------------------------------------------------------------------------
+def token_counts(records, vocab_size: int) -> torch.Tensor:
+    """How often each token is an answer token (a learned position's next token)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        ids = r["ids"].long()
+        counts += torch.bincount(ids[1:][r["learn"][:-1]], minlength=vocab_size)
+    return counts
+
+
+def choose_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens, in ascending id order (ties: lower id first)."""
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
+    """The share of the target's argmax tokens at learned positions that the vocabulary holds:
+    guesses outside it cannot be drafted, so this bounds what the reduction costs."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vocab] = True
+    hit = total = 0
+    for r in records:
+        top1 = r["top_ids"][:, 0].long()[r["learn"]]
+        hit += int(inside[top1].sum())
+        total += top1.numel()
+    return hit / max(1, total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,11 +427,16 @@ def unrolled_mask(n: int, step: int, device) -> torch.Tensor:
 
 
 def make_batches(items, batch_tokens: int, shuffle: bool, rng: random.Random):
-    """Length-sorted batches of at most batch_tokens padded tokens."""
-    order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
+    """Length-sorted batches of at most batch_tokens padded tokens (items: (ids, ...) tuples)."""
+    return make_batches_by_length([len(item[0]) for item in items], batch_tokens, shuffle, rng)
+
+
+def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: random.Random):
+    """Batches of indices into lengths, length-sorted, of at most batch_tokens padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, current = [], []
     for i in order:
-        longest = len(items[i][0])  # sorted by length: the newest item is the longest
+        longest = lengths[i]  # sorted by length: the newest item is the longest
         if current and longest * (len(current) + 1) > batch_tokens:
             batches.append(current)
             current = []
@@ -335,9 +517,106 @@ def validate(draft, target, data, preset: Preset, device, autocast):
     return sums / count  # [unroll, 3]: SmoothL1, CE, accuracy per step
 
 
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 training: the training-time test. Step 0 reads the target's fused features; step k
+# feeds the draft's own outputs of step k - 1 back, k tokens further on, exactly as a depth-k tree
+# node does at inference: at index t it holds (o^{k-1}_t, tok_{t+k+1}) at RoPE position t + k,
+# and sees the true entries up to t (the prefix) plus its own chain, the entries of steps 1 .. k
+# at index t. Its loss is the soft cross-entropy against the target's distribution at position
+# t + k + 1 restricted to the draft vocabulary, weighted unroll_decay ** k.
+# ---------------------------------------------------------------------------------------------
+def collate3(items, device, draft_index: torch.Tensor):
+    """Right-padded batch: ids [B, n]; features [B, n, F]; the target's top tokens as draft-vocab
+    indices [B, n, K] (-1: outside it) with their probabilities renormalised over the draft
+    vocabulary; learn [B, n]: positions whose next token is an answer token the draft can say
+    (the target's argmax lies in its vocabulary, as the reference masks)."""
+    n = max(len(r["ids"]) for r in items)
+    B, F_, K = len(items), items[0]["features"].size(-1), items[0]["top_ids"].size(-1)
+    ids = torch.zeros(B, n, dtype=torch.long)
+    feats = torch.zeros(B, n, F_)
+    top_idx = torch.full((B, n, K), -1, dtype=torch.long)
+    top_p = torch.zeros(B, n, K)
+    learn = torch.zeros(B, n, dtype=torch.bool)
+    for b, r in enumerate(items):
+        m = len(r["ids"])
+        ids[b, :m], feats[b, :m] = r["ids"].long(), r["features"].float()
+        top_idx[b, :m] = draft_index[r["top_ids"].long()]
+        top_p[b, :m] = r["top_probs"].float()
+        learn[b, :m] = r["learn"]
+    top_p = top_p * (top_idx >= 0)
+    learn &= top_idx[..., 0] >= 0
+    top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-12)
+    return ids.to(device), feats.to(device), top_idx.to(device), top_p.to(device), learn.to(device)
+
+
+def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """x[:, k:] padded at the end to x's length: index t of the result holds x[:, t + k]."""
+    if k == 0:
+        return x
+    pad = x.new_full((x.size(0), k, *x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, preset: Preset):
+    """Per unrolled step k = 0 .. unroll - 1: (weighted loss, soft CE, top-1 accuracy)."""
+    B, n = ids.shape
+    layer, attn = draft.layer, draft.layer.attention
+    H, KV, D = attn.n_head, attn.n_local_heads, attn.head_dim
+    G = H // KV
+    t = torch.arange(n, device=ids.device)
+    causal = t[None, :] <= t[:, None]  # step-0 keys visible from index t
+    h = draft.fc(feats.to(draft.fc.weight.dtype))
+    keys, values, results = [], [], []
+    for k in range(preset.unroll):
+        tokens = _shift(ids, k + 1)  # tok_{t+k+1}
+        x = torch.cat([layer.input_norm(embed(tokens)), layer.hidden_norm(h)], dim=-1)
+        q, kk, v = attn.wqkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(B, n, H, D).transpose(1, 2)
+        kk = kk.view(B, n, KV, D).transpose(1, 2)
+        v = v.view(B, n, KV, D).transpose(1, 2)
+        cos, sin = draft.rope_cos[t + k][None], draft.rope_sin[t + k][None]
+        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+        keys.append(kk)
+        values.append(v)
+        qg = q.reshape(B, KV, G, n, D)  # the G query heads that share a KV head
+        scores = [(qg.reshape(B, KV, G * n, D) @ keys[0].transpose(-1, -2)).view(B, KV, G, n, n)
+                  .masked_fill(~causal, float("-inf"))]
+        scores += [(qg * kj[:, :, None]).sum(-1, keepdim=True) for kj in keys[1:]]  # own chain: index t only
+        probs = torch.softmax(torch.cat(scores, dim=-1).float() * D ** -0.5, dim=-1).to(v.dtype)
+        out = (probs[..., :n].reshape(B, KV, G * n, n) @ values[0]).view(B, KV, G, n, D)
+        for j, vj in enumerate(values[1:]):
+            out = out + probs[..., n + j, None] * vj[:, :, None]
+        o = h + attn.wo(out.reshape(B, H, n, D).transpose(1, 2).reshape(B, n, H * D))
+        h = o + layer.feed_forward(layer.ffn_norm(o))
+        logp = torch.log_softmax(draft.lm_head(draft.norm(h)).float(), dim=-1)
+        # the target at position t + k + 1; positions past the end learn nothing
+        sel = _shift(learn, k + 1, False) & (t + k + 1 < n)
+        idx, p = _shift(top_idx, k + 1, -1)[sel], _shift(top_p, k + 1, 0.0)[sel]
+        logp = logp[sel]
+        ce = -(p * logp.gather(1, idx.clamp(min=0))).sum(-1).mean()
+        acc = (logp.argmax(-1) == idx[:, 0]).float().mean()
+        results.append((preset.unroll_decay ** k * ce, ce.detach(), acc.detach()))
+    return results
+
+
+@torch.no_grad()
+def validate3(draft, target, data, preset: Preset, device, autocast, draft_index):
+    draft.eval()
+    sums, count = None, 0
+    for batch in make_batches_by_length([len(r["ids"]) for r in data], preset.batch_tokens, False, random.Random(0)):
+        with autocast():
+            res = eagle3_losses(draft, target.tok_embeddings, *collate3([data[i] for i in batch], device, draft_index),
+                                preset)
+        vals = torch.tensor([[ce, acc] for _, ce, acc in res])
+        sums = vals * len(batch) if sums is None else sums + vals * len(batch)
+        count += len(batch)
+    draft.train()
+    return sums / count  # [unroll, 2]: soft CE, accuracy per step
+
+
 @torch.no_grad()
 def measure_tau(target, draft, tokenizer, prompts, max_new_tokens=96, **tree):
-    """Mean accepted tokens per round of real eagle2 decoding (greedy) on a few prompts."""
+    """Mean accepted tokens per round of real EAGLE-2-tree decoding (greedy) on a few prompts."""
     draft = copy.deepcopy(draft).to(target.norm.weight.dtype)  # decode in the target's dtype
     draft.max_seq_length = -1  # training replaced the draft's KV cache: let the Speculator make one
     spec = Speculator(target, draft, stop_ids=tokenizer.stop_ids, **tree)
@@ -356,15 +635,29 @@ def setup_for_training(draft, max_len: int):
     draft.setup_caches(1, max_len)
 
 
-def train(target, tokenizer, data, prompts, preset: Preset, args):
+def train(target, tokenizer, data, prompts, preset: Preset, args, vocab=None):
+    """The training loop of both architectures: AdamW, warm-up then cosine, clipping by value,
+    bf16 autocast, validation and tau after every epoch, resumable from the last finished epoch.
+    vocab: EAGLE-3's draft vocabulary (target ids, ascending)."""
     device = target.norm.weight.device
     torch.manual_seed(args.seed)
-    draft = EagleDraft(draft_config_for(target.config), fc_bias=args.fc_bias).to(device).train()
-    max_len = max(len(ids) for ids, _, _ in data["train"] + data["val"])
-    setup_for_training(draft, max_len)
-    opt = torch.optim.AdamW(draft.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
+    eagle3 = args.arch == "eagle3"
+    if eagle3:
+        draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
+        draft.vocab.copy_(vocab)
+        draft_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)  # target id -> draft index
+        draft_index[vocab] = torch.arange(len(vocab))
+        length = lambda item: len(item["ids"])  # noqa: E731
+    else:
+        draft = EagleDraft(draft_config_for(target.config), fc_bias=args.fc_bias)
+        length = lambda item: len(item[0])  # noqa: E731
+    draft = draft.to(device).train()
+    lengths = [length(item) for item in data["train"]]
+    setup_for_training(draft, max(lengths + [length(item) for item in data["val"]]) + preset.unroll + 1)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
     rng = random.Random(args.seed)
-    steps_per_epoch = len(make_batches(data["train"], preset.batch_tokens, False, rng))
+    steps_per_epoch = len(make_batches_by_length(lengths, preset.batch_tokens, False, rng))
     total = preset.epochs * steps_per_epoch
 
     def lr_at(step):  # linear warm-up, then cosine to 10%
@@ -392,27 +685,35 @@ def train(target, tokenizer, data, prompts, preset: Preset, args):
     val_prompts = prompts["val"][:args.tau_prompts]
     t_start = time.time()
     for epoch in range(start_epoch, preset.epochs):
-        batches = make_batches(data["train"], preset.batch_tokens, True, rng)
+        batches = make_batches_by_length(lengths, preset.batch_tokens, True, rng)
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{preset.epochs}", unit="batch")
         for batch in bar:
-            ids, feats, learn = collate([data["train"][i] for i in batch], device)
+            items = [data["train"][i] for i in batch]
             with autocast():
-                res = draft_losses(draft, target.tok_embeddings, target.output, ids, feats, learn, preset, noise=True)
+                if eagle3:
+                    res = eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
+                else:
+                    res = draft_losses(draft, target.tok_embeddings, target.output, *collate(items, device), preset,
+                                       noise=True)
             loss = sum(r[0] for r in res)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_value_(draft.parameters(), preset.grad_clip)
+            torch.nn.utils.clip_grad_value_(params, preset.grad_clip)
             opt.step()
             sched.step()
             step += 1
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{r[3].item():.2f}" for r in res),
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{r[-1].item():.2f}" for r in res),
                             lr=f"{sched.get_last_lr()[0]:.1e}")
-        val = validate(draft, target, data["val"], preset, device, autocast)
-        record = {"epoch": epoch + 1, "step": step, "minutes": (time.time() - t_start) / 60,
-                  "val_smooth_l1": val[:, 0].tolist(), "val_ce": val[:, 1].tolist(), "val_acc": val[:, 2].tolist()}
+        record = {"epoch": epoch + 1, "step": step, "minutes": (time.time() - t_start) / 60}
+        if eagle3:
+            val = validate3(draft, target, data["val"], preset, device, autocast, draft_index)
+            record.update(val_ce=val[:, 0].tolist(), val_acc=val[:, 1].tolist())
+        else:
+            val = validate(draft, target, data["val"], preset, device, autocast)
+            record.update(val_smooth_l1=val[:, 0].tolist(), val_ce=val[:, 1].tolist(), val_acc=val[:, 2].tolist())
         if val_prompts:
             draft.eval()
-            record["val_tau_eagle2"] = measure_tau(target, draft, tokenizer, val_prompts)
+            record["val_tau"] = measure_tau(target, draft, tokenizer, val_prompts, tree_depth=preset.tau_depth)
             draft.train()
         history.append(record)
         print(json.dumps(record), file=sys.stderr)
@@ -425,7 +726,10 @@ def train(target, tokenizer, data, prompts, preset: Preset, args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="smollm2-cpu")
+    p.add_argument("--arch", choices=sorted(PRESETS), default="eagle",
+                   help="eagle: an EAGLE-1/2 head (the target's features and LM head); eagle3: an EAGLE-3 head "
+                        "(three fused layers, a reduced vocabulary, training-time test)")
+    p.add_argument("--preset", choices=sorted(PRESETS["eagle"]), default="smollm2-cpu")
     p.add_argument("--out_dir", type=Path, required=True, help="where the trained head is written")
     p.add_argument("--work_dir", type=Path, default=None, help="data and resumable state (default: OUT_DIR.work)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -435,6 +739,8 @@ def parse_args(argv=None):
                    help="a bias on fc (EAGLE's LLaMA-2/Vicuna heads have one, LLaMA-3 heads not)")
     p.add_argument("--tau_prompts", type=int, default=6, help="validation prompts decoded for tau after each epoch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab_report", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
+                   help="eagle3: draft vocabulary sizes whose coverage of held-out answers is reported")
     p.add_argument("--max_answer_batches", type=int, default=None,
                    help="answer only the first N generation batches (greedy answers come first, sorted by "
                         "prompt length); trains on less data when time is short")
@@ -447,7 +753,7 @@ def parse_args(argv=None):
     if (args.out_dir / "draft.safetensors").exists() and not args.force:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
     args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
-    preset = PRESETS[args.preset]
+    preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     return args, Preset(**{**asdict(preset), **overrides})
 
@@ -455,32 +761,52 @@ def parse_args(argv=None):
 def main(argv=None):
     args, preset = parse_args(argv)
     t0 = time.time()
-    (args.work_dir / "data").mkdir(parents=True, exist_ok=True)
+    data_dir = args.work_dir / ("data3" if args.arch == "eagle3" else "data")
+    data_dir.mkdir(parents=True, exist_ok=True)
     target = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype))
     for p in target.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
 
     prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
-    make_shards(target, tokenizer, preset, prompts, args.work_dir / "data", args.seed,
-                args.max_answer_batches)
-    data = load_shards(args.work_dir / "data")
-    n_tokens = sum(len(ids) for ids, _, _ in data["train"])
+    times = {"data_minutes": None}
+    vocab, info_vocab = None, {}
+    if args.arch == "eagle3":
+        layer_ids = eagle3_layer_ids(target.config.n_layer)
+        make_conversations(target, tokenizer, preset, prompts, data_dir, args.seed, layer_ids, args.max_answer_batches)
+        data = load_conversations(data_dir)
+        n_tokens = sum(len(r["ids"]) for r in data["train"])
+        counts = token_counts(data["train"], target.config.vocab_size)
+        coverage = {size: vocab_coverage(data["val"], choose_vocab(counts, size), target.config.vocab_size)
+                    for size in sorted(set(args.vocab_report) | {preset.draft_vocab_size})
+                    if size <= target.config.vocab_size}
+        vocab = choose_vocab(counts, preset.draft_vocab_size)
+        info_vocab = {"draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
+                      "coverage_of_val_argmax": {str(k): v for k, v in coverage.items()},
+                      "two_turn_conversations": sum(int((r["learn"][1:] & ~r["learn"][:-1]).sum()) > 1
+                                                    for r in data["train"])}
+        print("draft vocabulary coverage of held-out target argmax tokens: "
+              + ", ".join(f"{k}: {v:.2%}" for k, v in coverage.items()), file=sys.stderr)
+    else:
+        make_shards(target, tokenizer, preset, prompts, data_dir, args.seed, args.max_answer_batches)
+        data = load_shards(data_dir)
+        n_tokens = sum(len(ids) for ids, _, _ in data["train"])
+    times["data_minutes"] = (time.time() - t0) / 60
     print(f"data: {len(data['train'])} train / {len(data['val'])} val conversations, {n_tokens} train tokens, "
-          f"{(time.time() - t0) / 60:.1f} min so far", file=sys.stderr)
+          f"{times['data_minutes']:.1f} min so far", file=sys.stderr)
     target.max_seq_length = -1  # generation's caches are no longer needed
     for layer in target.layers:
         layer.attention.kv_cache = None
 
-    draft, history = train(target, tokenizer, data, prompts, preset, args)
+    draft, history = train(target, tokenizer, data, prompts, preset, args, vocab)
     save_draft(draft, args.out_dir, dtype=torch.bfloat16)
-    info = {"command": " ".join(sys.argv), "preset": args.preset, "settings": asdict(preset),
+    info = {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
             "target": str(args.checkpoint_path), "device": args.device, "dtype": args.dtype,
-            "hardware": platform.processor() or platform.machine(),
+            "hardware": platform.processor() or platform.machine(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "data": {"train_conversations": len(data["train"]), "val_conversations": len(data["val"]),
-                     "train_tokens": n_tokens, "prompt_samples": prompts.get("attempts")},
-            "hours": (time.time() - t0) / 3600, "history": history}
+                     "train_tokens": n_tokens, "prompt_samples": prompts.get("attempts"), **info_vocab},
+            "hours": (time.time() - t0) / 3600, **times, "history": history}
     (args.out_dir / "training.json").write_text(json.dumps(info, indent=1))
     print(f"wrote {args.out_dir} in {info['hours']:.2f} h", file=sys.stderr)
 

@@ -140,3 +140,36 @@ def test_cpu_half_precision_attention_path_equals_sdpa():
     torch.testing.assert_close(_matmul_attention(q, k, v, mask), reference, atol=1e-5, rtol=1e-5)
     half = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     torch.testing.assert_close(half.float(), reference, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "mistral-sliding"])
+@torch.no_grad()
+def test_kv_len_reads_only_the_live_slots_and_changes_nothing(name):
+    """kv_len (eager CPU decoding passes the live length) gives the logits of the full cache."""
+    if name == "mistral-sliding":
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(**{**ModelArgs.from_name("tiny-llama").to_dict(), "sliding_window": 6})).eval()
+        model.setup_caches(1, 64)
+    else:
+        model = make_model(name)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 20))
+    full = model(tokens, torch.arange(20))
+    model.setup_caches(1, 64)
+    steps = [model(tokens[:, :5], torch.arange(5), kv_len=5)]
+    steps += [model(tokens[:, t:t + 1], torch.tensor([t]), kv_len=t + 1) for t in range(5, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="kv_len"):
+        model(tokens[:, :1], torch.tensor([0]), kv_len=65)
+
+
+@torch.no_grad()
+def test_layer_inputs_come_in_the_order_asked_and_bad_ids_are_errors():
+    model = make_model("tiny-llama")
+    tokens = torch.randint(0, model.config.vocab_size, (1, 6))
+    _, _, first = model(tokens, torch.arange(6), layer_ids=(0,))
+    _, _, both = model(tokens, torch.arange(6), layer_ids=(1, 0, 1))
+    torch.testing.assert_close(both[1], first[0])
+    torch.testing.assert_close(both[1], model.tok_embeddings(tokens))  # layer 0's input is the embedding
+    torch.testing.assert_close(both[0], both[2])
+    with pytest.raises(ValueError, match="layers the model does not have"):
+        model(tokens, torch.arange(6), layer_ids=(2,))

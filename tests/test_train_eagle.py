@@ -21,8 +21,9 @@ def test_generate_batch_rows_of_different_lengths_equal_single_runs():
     model = tiny_target("tiny-llama", seed=3)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 2)]
     stop = {17}
-    rows = te.generate_batch(model, prompts, 20, 0.0, None, stop)
-    for prompt, (ids, feats) in zip(prompts, rows):
+    rows = te.generate_batch(model, prompts, 20, 0.0, None, stop, chunk=4)
+    for prompt, row in zip(prompts, rows):
+        ids, feats = row["ids"], row["features"]
         single = gen.generate(model, torch.tensor([prompt]), 20, stop_ids=stop)[0]
         assert ids == prompt + single
         model.setup_caches(1, len(ids))
@@ -89,7 +90,7 @@ def synthetic_data(target, n_conv, seed):
     prompts = [torch.randint(0, 512, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n_conv)]
     rows = te.generate_batch(target, prompts, 40, 0.0, None, set())
-    return [(torch.tensor(ids), f, len(p)) for (ids, f), p in zip(rows, prompts)]
+    return [(torch.tensor(r["ids"]), r["features"], len(p)) for r, p in zip(rows, prompts)]
 
 
 def test_training_lowers_the_loss_and_raises_tau():
@@ -146,7 +147,7 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypat
     te.main(argv)
     info = json.loads((out / "training.json").read_text())
     assert info["data"]["train_conversations"] > 0 and len(info["history"]) == 2
-    assert "val_tau_eagle2" in info["history"][-1]
+    assert "val_tau" in info["history"][-1]
     target = checkpoint.load_model(model_path, "cpu", torch.float32)
     head = load_draft(out, target.config)
     assert head.fc_bias and "embed" not in " ".join(head.state_dict())  # the target's tables are not stored
@@ -156,3 +157,46 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypat
     stamp = [s.stat().st_mtime for s in shards]
     te.main(argv + ["--force"])
     assert [s.stat().st_mtime for s in shards] == stamp  # data reused, not regenerated
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3
+# ---------------------------------------------------------------------------------------------
+def test_eagle3_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """--arch eagle3: two-turn conversations with the three layers' inputs and the target's top
+    tokens, a reduced vocabulary with its coverage, training that lowers the soft cross-entropy,
+    and a head that loads as an Eagle3Draft and decodes exactly as vanilla."""
+    from convert_hf_checkpoint import convert_hf
+    from draft import Eagle3Draft
+
+    model_path = convert_hf(tiny_hf_checkpoint("qwen2"), dtype="float32")
+    state = torch.load(model_path)
+    stop = load_tokenizer(model_path.parent).stop_ids[0]
+    state["tok_embeddings.weight"][stop] *= 4  # (tied LM head) a random model that ends its turns now and then
+    torch.save(state, model_path)
+    monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()))
+    out = tmp_path / "head3"
+    argv = ["--arch", "eagle3", "--checkpoint_path", str(model_path), "--preset", "tiny", "--out_dir", str(out),
+            "--dtype", "float32", "--tau_prompts", "1", "--prompt_max_tokens", "64", "--multi_turn_fraction", "1.0",
+            "--epochs", "3", "--vocab_report", "64", "128", "--answer_max_tokens", "64"]
+    te.main(argv)
+    info = json.loads((out / "training.json").read_text())
+    assert info["arch"] == "eagle3" and info["data"]["two_turn_conversations"] > 0
+    assert set(info["data"]["coverage_of_val_argmax"]) == {"64", "128", "256"}
+    coverage = [info["data"]["coverage_of_val_argmax"][k] for k in ("64", "128", "256")]
+    assert coverage == sorted(coverage) and 0 < coverage[-1] <= 1  # a bigger vocabulary covers more
+    ce = [h["val_ce"][0] for h in info["history"]]
+    assert ce[-1] < ce[0]
+    records = [r for shard in sorted((tmp_path / "head3.work" / "data3").glob("conv_*.pt"))
+               for r in torch.load(shard, weights_only=True)["records"]]
+    target = checkpoint.load_model(model_path, "cpu", torch.float32)
+    r = records[0]
+    assert r["features"].shape == (len(r["ids"]), 3 * target.config.dim) and r["top_ids"].shape == (len(r["ids"]), 8)
+    head = load_draft(out, target.config)
+    assert isinstance(head, Eagle3Draft) and head.draft_vocab_size == 256
+    assert head.vocab.dtype == torch.long and torch.equal(head.vocab, head.vocab.sort().values)
+    spec = speculative.Speculator(target, head, tree_top_k=4, tree_depth=4, tree_tokens=16)
+    prompt = r["ids"][None, :6].long()
+    ids, _ = speculative.speculative_generate(spec, prompt, 24)
+    target.setup_caches(1, 64)
+    assert ids == gen.generate(target, prompt, 24)
