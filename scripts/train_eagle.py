@@ -49,7 +49,7 @@ class Preset:
     val_fraction: float = 0.05   # held out for validation
     prompt_max_tokens: int = 96
     prompt_temperature: float = 1.0
-    prompt_top_p: float = 0.98
+    prompt_top_k: int = 100      # user messages are sampled among the 100 most probable tokens
     answer_max_tokens: int = 320
     sampled_fraction: float = 0.25  # answers sampled at temperature 1 (the rest greedy)
     gen_batch: int = 128         # rows generated at once
@@ -105,7 +105,7 @@ PRESETS = {
 # overwritten by that row's next token before the row ever attends to it.
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def generate_batch(model, prompts, max_new_tokens, temperature, top_p, stop_ids, layer_ids=None, keep_top=0,
+def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids, layer_ids=None, keep_top=0,
                    chunk=16):
     """prompts: lists of ids. Returns one dict per row: "ids", the prompt + answer (cut after the
     first stop token), and for every one of those tokens "features", float16 on the CPU: the
@@ -139,7 +139,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature, top_p, stop_ids,
         inside = (lengths - 1 >= c0) & (lengths - 1 < c1)  # rows whose last prompt token is in this chunk
         last = torch.where(inside[:, None], logits[rows, (lengths - 1 - c0).clamp(0, c1 - c0 - 1)], last)
     n_prompt = len(record)
-    token = sample(last, temperature, None, top_p)
+    token = sample(last, temperature, top_k, None)
     stop = torch.tensor(sorted(stop_ids), device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     pos, steps_tokens = lengths.clone(), []
@@ -151,7 +151,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature, top_p, stop_ids,
         done |= torch.isin(token, stop)
         if step % 8 == 7 and bool(done.all()):
             break
-        token = sample(logits[:, -1], temperature, None, top_p)
+        token = sample(logits[:, -1], temperature, top_k, None)
         pos += 1
     new_tokens = torch.stack(steps_tokens, 1).cpu()
     columns = [torch.cat(parts, dim=1) for parts in zip(*record[:n_prompt])]  # the prompt's positions
@@ -209,7 +209,7 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
             raise RuntimeError(f"only {len(prompts)} usable prompts after {attempts} samples: is the chat "
                                f"template right for this model?")
         for row in generate_batch(model, [prefix] * preset.gen_batch, preset.prompt_max_tokens,
-                                  preset.prompt_temperature, preset.prompt_top_p, stop_ids):
+                                  preset.prompt_temperature, preset.prompt_top_k, stop_ids):
             answer = row["ids"][len(prefix):]
             if not answer or answer[-1] not in stop_ids:
                 continue  # ran out of tokens: a truncated message
@@ -332,7 +332,7 @@ def make_conversations(model, tokenizer, preset: Preset, prompts: dict, data_dir
                 records[j] = conversation_record(turn1[j], answer_spans(turn1[j]["ids"], [len(firsts[i])], stop_ids))
         if seconds:
             follow = generate_batch(model, [next_user_prefix(tokenizer, m) for _, m in seconds],
-                                    preset.prompt_max_tokens, preset.prompt_temperature, preset.prompt_top_p,
+                                    preset.prompt_max_tokens, preset.prompt_temperature, preset.prompt_top_k,
                                     stop_ids, layer_ids=None)
             kept, seen = [], set()
             for (j, messages), row in zip(seconds, follow):

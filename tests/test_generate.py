@@ -70,6 +70,19 @@ def test_sampling_matches_the_distribution():
     draws = sampling.sample_from(probs.expand(200_000, 4))
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     torch.testing.assert_close(freq, probs, atol=5e-3, rtol=0)
+    # unnormalised rows with zeros (acceptance's residuals): a zero-probability token is never drawn,
+    # even where u * total rounds up to the total
+    residual = torch.tensor([[0.0, 0.2, 0.0, 0.1, 0.0]]).expand(100_000, 5)
+    draws = sampling.sample_from(residual)
+    assert set(draws.tolist()) == {1, 3} and abs((draws == 1).float().mean() - 2 / 3) < 0.01
+    almost_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    torch.manual_seed(0)
+    original = torch.rand_like
+    try:
+        torch.rand_like = lambda x: torch.full_like(x, almost_one)
+        assert sampling.sample_from(torch.tensor([[0.3, 0.7, 0.0]])).item() == 1
+    finally:
+        torch.rand_like = original
 
 
 # ---------------------------------------------------------------------------------------------
