@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 import quantize
-from draft import Eagle3Draft, EagleDraft
+from draft import Eagle3Draft, EagleDraft, eagle3_layer_ids
 from model import ModelArgs, Transformer
 
 DRAFT_CONFIG = "draft_config.json"
@@ -101,7 +101,7 @@ def draft_meta(draft) -> dict:
     """What draft_config.json records: enough to rebuild the module before loading its weights."""
     if isinstance(draft, Eagle3Draft):
         return {"arch": "eagle3", "model": draft.config.to_dict(), "draft_vocab_size": draft.draft_vocab_size,
-                "layer_ids": list(draft.layer_ids)}
+                "layer_ids": None if draft.layer_ids is None else list(draft.layer_ids)}
     return {"arch": "eagle", "model": draft.config.to_dict(), "fc_bias": draft.fc_bias}
 
 
@@ -132,7 +132,9 @@ def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dt
         check_draft_fits(folder, arch, config, meta, target_config)
     with torch.device("meta"):
         if arch == "eagle3":
-            draft = Eagle3Draft(config, meta["draft_vocab_size"], tuple(meta["layer_ids"]))
+            # A converted published head names no target: it fuses layers (2, L//2, L-3) of the one it runs with.
+            layer_ids = meta.get("layer_ids") or (eagle3_layer_ids(target_config.n_layer) if target_config else None)
+            draft = Eagle3Draft(config, meta["draft_vocab_size"], layer_ids)
         elif arch == "eagle":
             draft = EagleDraft(config, fc_bias=meta["fc_bias"])
         else:
@@ -153,8 +155,8 @@ def check_draft_fits(folder, arch: str, config: ModelArgs, meta: dict, target: M
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"draft {folder} was made for a vocabulary of {config.vocab_size} tokens, "
                          f"the target has {target.vocab_size}")
-    if arch == "eagle3":
-        layer_ids = meta.get("layer_ids", [])
-        if any(not 0 <= i < target.n_layer for i in layer_ids):
-            raise ValueError(f"draft {folder} fuses target layers {layer_ids}, the target has {target.n_layer} "
-                             f"layers: it was made for another model")
+    if arch == "eagle3" and meta.get("layer_ids") is not None:
+        layer_ids = list(meta["layer_ids"])
+        if layer_ids != list(eagle3_layer_ids(target.n_layer)):
+            raise ValueError(f"draft {folder} fuses target layers {layer_ids}, but a target of {target.n_layer} layers "
+                             f"has {list(eagle3_layer_ids(target.n_layer))}: it was made for another model")

@@ -330,7 +330,7 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Published EAGLE-1/2 heads
+# Published EAGLE heads
 # ---------------------------------------------------------------------------------------------
 # The reference layout (EAGLE's own repository): a LLaMA config.json with num_hidden_layers 1 and
 # fc.weight [h, 2h], fc.bias (LLaMA-2/Vicuna/Mixtral heads; not LLaMA-3), one decoder layer
@@ -345,9 +345,9 @@ EAGLE_TO_DRAFT = {
 
 
 def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
-    """DIR/draft.safetensors + DIR/draft_config.json (checkpoint.load_draft's format) from an EAGLE-1/2
-    head in the reference layout in DIR; returns the folder. The target's embedding is not kept:
-    the draft always uses the target's own."""
+    """DIR/draft.safetensors + DIR/draft_config.json (checkpoint.load_draft's format) from an EAGLE
+    head in the reference layout in DIR, EAGLE-1/2 or EAGLE-3 (told apart by their tensors);
+    returns the folder. The target's embedding is not kept: the draft always uses the target's own."""
     from checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, save_draft
     from draft import EagleDraft
 
@@ -358,6 +358,12 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
     config = json.loads((folder / "config.json").read_text())
     weights = load_hf_weights(folder)
     weights.pop("embed_tokens.weight", None)
+    if any(k.startswith("midlayer.") for k in weights) or "draft_vocab_size" in config:
+        return save_draft(eagle3_draft_from_reference(config, weights, folder), folder,
+                          _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype")))
+    if not any(k.startswith("layers.0.") for k in weights):
+        raise ValueError(f"{folder} holds neither an EAGLE-1/2 head (layers.0.*) nor an EAGLE-3 head (midlayer.*): "
+                         f"found {', '.join(sorted(weights)[:5]) or 'no tensors'}")
     fc_bias = "fc.bias" in weights
     # The head's config describes one LLaMA layer, whatever architecture name it carries.
     args = model_args_from_hf({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
@@ -365,7 +371,7 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
     if "fc.weight" not in weights or weights["fc.weight"].shape != (args.dim, 2 * args.dim):
         shape = tuple(weights["fc.weight"].shape) if "fc.weight" in weights else None
         raise ValueError(f"{folder} is not an EAGLE-1/2 head: fc.weight should be [{args.dim}, {2 * args.dim}], "
-                         f"found {shape} (EAGLE-3 heads, with fc over 3 layers and their own LM head, are not supported)")
+                         f"found {shape}")
     state = {"fc.weight": weights.pop("fc.weight")}
     if fc_bias:
         state["fc.bias"] = weights.pop("fc.bias")
@@ -392,6 +398,87 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Shared
 # ---------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# Published EAGLE-3 heads
+# ---------------------------------------------------------------------------------------------
+# The reference layout (EAGLE-3, e.g. EAGLE3-LLaMA3.1-Instruct-8B): a LLaMA config.json with
+# num_hidden_layers 1 and draft_vocab_size; fc.weight [h, 3h] (no bias); midlayer.* (q/k/v read
+# 2h: the normed embedding and the normed feature side by side), its own norm.weight and
+# lm_head.weight [draft_vocab, h]; d2t [draft_vocab] (offsets: target id = i + d2t[i]) and t2d
+# [vocab] (bool); sometimes a frozen copy of the target's embedding.
+EAGLE3_TO_DRAFT = {
+    "midlayer.self_attn.o_proj.weight": "layer.attention.wo.weight",
+    "midlayer.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
+    "midlayer.mlp.up_proj.weight": "layer.feed_forward.w3.weight",
+    "midlayer.mlp.down_proj.weight": "layer.feed_forward.w2.weight",
+    "midlayer.input_layernorm.weight": "layer.input_norm.weight",
+    "midlayer.hidden_norm.weight": "layer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight": "layer.ffn_norm.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def eagle3_vocab(d2t, t2d, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
+    """The target ids of the draft's tokens (ascending) from the reference's d2t offsets, checked
+    against its t2d mask; both absent means the draft speaks the whole target vocabulary."""
+    if d2t is None and t2d is None:
+        if draft_vocab_size != vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} < vocab_size {vocab_size} needs the d2t and t2d maps")
+        return torch.arange(vocab_size)
+    if d2t is None or t2d is None:
+        raise ValueError("an EAGLE-3 head needs both d2t and t2d, or neither")
+    if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
+        raise ValueError(f"d2t {tuple(d2t.shape)} and t2d {tuple(t2d.shape)} should be [{draft_vocab_size}] and "
+                         f"[{vocab_size}] (draft_vocab_size, vocab_size)")
+    vocab = torch.arange(draft_vocab_size) + d2t.long()
+    if not torch.equal(vocab, t2d.bool().nonzero().flatten()):
+        raise ValueError("d2t and t2d disagree: the target ids i + d2t[i] must be exactly t2d's set ones, ascending")
+    return vocab
+
+
+def eagle3_reference_maps(vocab: torch.Tensor, vocab_size: int):
+    """The inverse of eagle3_vocab: the reference's (d2t offsets, t2d mask) for a draft vocabulary."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    return vocab - torch.arange(len(vocab)), t2d
+
+
+def eagle3_draft_from_reference(config: dict, weights: dict, folder):
+    """An Eagle3Draft with the reference head's weights (a meta-free module, ready to save)."""
+    from draft import Eagle3Draft
+
+    if config.get("target_hidden_size", config.get("hidden_size")) != config.get("hidden_size"):
+        raise ValueError(f"{folder}: a head whose hidden size differs from its target's (target_hidden_size) is not "
+                         f"supported: this project's drafts use the target's embedding")
+    args = model_args_from_hf({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+    draft_vocab = int(config.get("draft_vocab_size", args.vocab_size))
+    fc = weights.pop("fc.weight", None)
+    if fc is None or fc.shape != (args.dim, 3 * args.dim) or "fc.bias" in weights:
+        raise ValueError(f"{folder} is not an EAGLE-3 head: fc.weight should be [{args.dim}, {3 * args.dim}] without "
+                         f"a bias, found {None if fc is None else tuple(fc.shape)}")
+    state = {"fc.weight": fc, "vocab": eagle3_vocab(weights.pop("d2t", None), weights.pop("t2d", None),
+                                                     draft_vocab, args.vocab_size)}
+    qkv = [f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"]
+    try:
+        state["layer.attention.wqkv.weight"] = torch.cat([weights.pop(n) for n in qkv])
+        state.update({ours: weights.pop(theirs) for theirs, ours in EAGLE3_TO_DRAFT.items()})
+    except KeyError as e:
+        raise ValueError(f"the EAGLE-3 head in {folder} lacks the tensor {e.args[0]}") from None
+    if weights:
+        raise ValueError(f"the EAGLE-3 head in {folder} has tensors an EAGLE-3 draft has no place for: "
+                         f"{', '.join(sorted(weights)[:5])}")
+    # The fused layers (2, L//2, L-3) depend on the target, which the head's config does not name:
+    # checkpoint.load_draft derives them from the target it is loaded for.
+    with torch.device("meta"):
+        draft = Eagle3Draft(args, draft_vocab, layer_ids=None)
+    try:
+        draft.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"the EAGLE-3 head in {folder} does not match its config.json: {e}") from None
+    return draft
+
+
 def _refuse_to_overwrite(paths, force: bool):
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:

@@ -136,14 +136,19 @@ def eagle3_layer_ids(n_layer: int) -> tuple:
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, config: ModelArgs, draft_vocab_size: int, layer_ids: tuple):
+    def __init__(self, config: ModelArgs, draft_vocab_size: int, layer_ids: Optional[tuple]):
+        """layer_ids: the three target layers whose inputs it fuses; None while unknown (a published
+        head names no target: checkpoint.load_draft fills them in for the target it is loaded for)."""
         super().__init__()
         if config.n_layer != 1:
             raise ValueError(f"an EAGLE-3 draft has one decoder layer, config says n_layer={config.n_layer}")
         if not 1 <= draft_vocab_size <= config.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {config.vocab_size}], got {draft_vocab_size}")
-        self.config, self.draft_vocab_size, self.layer_ids = config, draft_vocab_size, tuple(layer_ids)
-        self.fc = nn.Linear(len(self.layer_ids) * config.dim, config.dim, bias=False)
+        if layer_ids is not None and len(layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 fuses three target layers, got layer_ids {layer_ids}")
+        self.config, self.draft_vocab_size = config, draft_vocab_size
+        self.layer_ids = None if layer_ids is None else tuple(layer_ids)
+        self.fc = nn.Linear(3 * config.dim, config.dim, bias=False)
         self.layer = Eagle3Layer(config)
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, draft_vocab_size, bias=False)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import load_draft, load_model
+from draft import Eagle3Draft, EagleDraft
 from model import Transformer, set_attention_backend
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (
@@ -149,15 +150,17 @@ def parse_args(argv=None):
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--output_json", type=Path, default=None, help="write prompt, outputs and speed here")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculate", choices=["none", "eagle", "eagle2"], default="none",
-                   help="eagle: static tree (EAGLE-1); eagle2: dynamic tree (EAGLE-2)")
+    g.add_argument("--speculate", choices=["none", *SPECULATE], default="none",
+                   help="eagle: EAGLE-1 head, static tree; eagle2: EAGLE-1/2 head, dynamic tree; eagle3: EAGLE-3 "
+                        "head (fused layers, its own reduced-vocabulary LM head), dynamic tree")
     g.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="EAGLE draft folder (default: the eagle/ folder beside the checkpoint)")
-    g.add_argument("--tree_top_k", type=int, default=10, help="eagle2: children per expanded node")
-    g.add_argument("--tree_depth", type=int, default=6, help="eagle2: levels of draft guesses")
+                   help="EAGLE draft folder (default: eagle/ beside the checkpoint; eagle3/ for --speculate eagle3)")
+    g.add_argument("--tree_top_k", type=int, default=10, help="eagle2/eagle3: children per expanded node")
+    g.add_argument("--tree_depth", type=int, default=None,
+                   help="eagle2/eagle3: levels of draft guesses (default 6 for eagle2, 8 for eagle3, as in their papers)")
     g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=60,
-                   help="eagle2: nodes verified per round, root included; auto: measure this hardware and pick "
-                        "the size predicted to be fastest, or vanilla decoding if none wins (see auto_tree_tokens)")
+                   help="eagle2/eagle3: nodes verified per round, root included; auto: measure this hardware and "
+                        "pick the size predicted to be fastest, or vanilla decoding if none wins")
     g.add_argument("--tree", type=Path, default=None,
                    help="eagle: JSON list of child-rank paths for the static tree (default: mc_sim_7b_63)")
     g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
@@ -187,12 +190,12 @@ def parse_args(argv=None):
     if args.tree is not None and args.speculate != "eagle":
         errors.append("--tree sets the static tree of --speculate eagle")
     if args.tree_tokens == "auto" and args.speculate == "eagle":
-        errors.append("--tree_tokens auto sizes the dynamic tree of --speculate eagle2; eagle's static tree has a fixed size")
+        errors.append("--tree_tokens auto sizes the dynamic trees of eagle2 and eagle3; eagle's static tree has a fixed size")
     if args.tree is not None and not args.tree.is_file():
         errors.append(f"--tree file not found: {args.tree}")
     if args.speculate != "none":
         if args.draft_checkpoint_path is None:
-            args.draft_checkpoint_path = args.checkpoint_path.parent / "eagle"
+            args.draft_checkpoint_path = args.checkpoint_path.parent / SPECULATE[args.speculate]["folder"]
         if not args.draft_checkpoint_path.exists():
             errors.append(f"--speculate {args.speculate} needs an EAGLE draft: {args.draft_checkpoint_path} not found "
                           f"(pass --draft_checkpoint_path, or train one with scripts/train_eagle.py)")
@@ -200,7 +203,26 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.tree_depth is None:
+        args.tree_depth = SPECULATE.get(args.speculate, SPECULATE["eagle2"])["depth"]
     return args
+
+
+# --speculate METHOD: the head it takes (its default folder beside the checkpoint) and the tree
+# depth of its paper (EAGLE-2: depth 6 for 7B/13B targets; EAGLE-3: depth 8 for an 8B target).
+SPECULATE = {
+    "eagle": dict(folder="eagle", depth=5, arch=EagleDraft),  # the static tree sets its own depth
+    "eagle2": dict(folder="eagle", depth=6, arch=EagleDraft),
+    "eagle3": dict(folder="eagle3", depth=8, arch=Eagle3Draft),
+}
+
+
+def check_head(method: str, draft, path):
+    """A clear error when the head on disk is not the kind the method runs."""
+    if not isinstance(draft, SPECULATE[method]["arch"]):
+        kind = "an EAGLE-3" if isinstance(draft, Eagle3Draft) else "an EAGLE-1/2"
+        right = "eagle3" if isinstance(draft, Eagle3Draft) else "eagle2 (or eagle)"
+        raise ValueError(f"{path} holds {kind} head: use --speculate {right}, or pass the right --draft_checkpoint_path")
 
 
 def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_ids=None):
@@ -226,6 +248,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_
     from tree import mc_sim_7b_63, static_tree
 
     draft = load_draft(args.draft_checkpoint_path, model.config, args.device, model.norm.weight.dtype)
+    check_head(args.speculate, draft, args.draft_checkpoint_path)
     if args.tree_tokens == "auto":
         args.tree_tokens = auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
                                             tree_depth=args.tree_depth, **sampling)

@@ -9,7 +9,8 @@
 # convert_hf_checkpoint.py. Other names are downloaded from the Hugging Face hub with
 # scripts/download.py (needs network access, and HF_TOKEN for gated repos).
 # Idempotent: conversion is skipped when checkpoints/NAME/model.pth exists. When the repo
-# ships an EAGLE draft head in heads/NAME/, it is copied to checkpoints/NAME/eagle/.
+# ships EAGLE draft heads in heads/NAME/ and heads/NAME-eagle3/, they are copied to
+# checkpoints/NAME/eagle/ and checkpoints/NAME/eagle3/.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -89,11 +90,15 @@ else
     convert --checkpoint_dir "$DIR"
 fi
 
-# The EAGLE draft head trained for this model, when the repository ships one.
-if [ -d "heads/$NAME" ]; then
-    log "copying EAGLE draft head heads/$NAME/ -> $DIR/eagle/"
-    mkdir -p "$DIR/eagle"
-    cp -R "heads/$NAME/." "$DIR/eagle/"
-fi
+# The EAGLE draft heads trained for this model, when the repository ships them: heads/NAME/ (an
+# EAGLE-1/2 head, for --speculate eagle/eagle2) and heads/NAME-eagle3/ (for --speculate eagle3).
+for head in "$NAME:eagle" "$NAME-eagle3:eagle3"; do
+    src="heads/${head%%:*}" dst="$DIR/${head##*:}"
+    if [ -f "$src/draft.safetensors" ]; then
+        log "copying EAGLE draft head $src/ -> $dst/"
+        mkdir -p "$dst"
+        cp -R "$src/." "$dst/"
+    fi
+done
 
 log "ready: $DIR/"

@@ -195,14 +195,24 @@ def keep_prompt(text: str, seen: set) -> bool:
 
 
 def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
+    """{"train": [...], "val": [...], "attempts": n}, written to path once complete. The prompts
+    so far and the sampler's state are saved after every batch (path with .partial), so an
+    interrupted run resumes where it stopped."""
     if path.is_file():
         return json.loads(path.read_text())
     prefix = user_turn_prefix(tokenizer)
     stop_ids = set(tokenizer.stop_ids)
-    prompts, seen = [], set()
+    partial = path.with_suffix(".partial.pt")
     torch.manual_seed(seed)
-    bar = tqdm(total=preset.n_prompts, desc="prompts", unit="prompt")
-    attempts = 0
+    prompts, attempts = [], 0
+    if partial.is_file():
+        state = torch.load(partial, weights_only=False)
+        prompts, attempts = state["prompts"], state["attempts"]
+        torch.set_rng_state(state["rng"])
+    seen = set()
+    for text in prompts:
+        keep_prompt(text, seen)  # rebuilds the duplicate filter
+    bar = tqdm(total=preset.n_prompts, initial=len(prompts), desc="prompts", unit="prompt")
     while len(prompts) < preset.n_prompts:
         attempts += preset.gen_batch
         if attempts > 20 * preset.n_prompts + 10 * preset.gen_batch:
@@ -217,11 +227,13 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
             if keep_prompt(text, seen) and len(prompts) < preset.n_prompts:
                 prompts.append(text)
                 bar.update(1)
+        torch.save({"prompts": prompts, "attempts": attempts, "rng": torch.get_rng_state()}, partial)
     bar.close()
     random.Random(seed).shuffle(prompts)
     n_val = max(1, int(preset.val_fraction * len(prompts)))
     split = {"train": prompts[n_val:], "val": prompts[:n_val], "attempts": attempts}
     path.write_text(json.dumps(split, indent=1))
+    partial.unlink()
     return split
 
 

@@ -272,3 +272,61 @@ def mirrored_pair(seed: int = 0, sharpness: float = 3.0, **overrides):
         layer = {k: v for k, v in target.layers[0].state_dict().items() if not k.startswith("attention_norm")}
         draft.layer.load_state_dict(layer)
     return target, draft
+
+
+def random_eagle3_draft(target, draft_vocab_size: int = None, seed: int = 1, std: float = 0.2):
+    """A random EAGLE-3 draft for target over a random reduced vocabulary (default: half the
+    target's). std: every matrix drawn from N(0, std^2), norms left at 1."""
+    from draft import Eagle3Draft, draft_config_for, eagle3_layer_ids
+
+    torch.manual_seed(seed)
+    V = target.config.vocab_size
+    n = draft_vocab_size or V // 2
+    draft = Eagle3Draft(draft_config_for(target.config), n, eagle3_layer_ids(target.config.n_layer)).eval()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, std)
+        draft.vocab.copy_(torch.randperm(V)[:n].sort().values)
+    return draft
+
+
+def eagle3_pair(seed: int = 0, vocab_size: int = 512, sharpness: float = 3.0, missing: float = 0.2, **overrides):
+    """A one-layer target whose next token is always the current one + 1 (mod V), and an EAGLE-3
+    draft built to predict exactly that, so that long guesses get accepted (EOS inside accepted
+    runs, compaction, end of the cache). The draft's vocabulary lacks a random share `missing` of
+    the tokens (those guesses are impossible, so runs end there and acceptance lengths vary).
+
+    Target: embeddings whose per-head slices are unit vectors (times sqrt(head_dim)), attention
+    and MLP outputs zeroed (wo = w2 = 0), LM head row j = sharpness * e[j - 1]: logits peak at
+    token + 1. Draft (multi-head, so that values carry the whole embedding): fc = 0, so the fused
+    features give g = 0; q = 30 e, k = e (each entry attends to itself, by a wide margin), v = e -
+    hidden_norm(g), wo = I, MLP 0: the output is g + e(y) - g = e(y) at every tree depth (its own
+    output has RMS 1, so hidden_norm(g) = g); norm = 1 and lm_head row i = sharpness * e[vocab[i] - 1]."""
+    from draft import Eagle3Draft, draft_config_for, eagle3_layer_ids
+
+    target = tiny_target("tiny-llama", seed, n_layer=1, vocab_size=vocab_size, **overrides)
+    c = target.config
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(vocab_size, c.n_head, c.head_dim, generator=g)
+    e = (e / e.norm(dim=-1, keepdim=True) * c.head_dim ** 0.5).reshape(vocab_size, c.dim)
+    vocab = (torch.rand(vocab_size, generator=g) >= missing).nonzero().flatten()
+    draft = Eagle3Draft(draft_config_for(c, n_local_heads=c.n_head), len(vocab), eagle3_layer_ids(1)).eval()
+    eye = torch.eye(c.dim)
+    with torch.no_grad():
+        target.tok_embeddings.weight.copy_(e)
+        target.layers[0].attention.wo.weight.zero_()
+        target.layers[0].feed_forward.w2.weight.zero_()
+        target.output.weight.copy_(sharpness * e.roll(1, dims=0))
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.zero_()
+        wqkv = draft.layer.attention.wqkv.weight  # rows q, k, v; columns [embedding | feature]
+        wqkv[:c.dim, :c.dim] = 30 * eye
+        wqkv[c.dim:2 * c.dim, :c.dim] = eye
+        wqkv[2 * c.dim:, :c.dim] = eye
+        wqkv[2 * c.dim:, c.dim:] = -eye
+        draft.layer.attention.wo.weight.copy_(eye)
+        draft.lm_head.weight.copy_(sharpness * e[(vocab - 1) % vocab_size])
+        draft.vocab.copy_(vocab)
+    return target, draft

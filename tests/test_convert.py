@@ -436,13 +436,13 @@ def test_eagle_head_errors(tmp_path, capsys):
     convert_eagle(tmp_path / "wide")
     with pytest.raises(ValueError, match="hidden size 128, the target has 64"):
         load_draft(tmp_path / "wide", target.config)
-    # an EAGLE-3 style fc over three layers' features is refused with a reason
+    # an EAGLE-1/2 layout with an fc over three layers' features is refused with a reason
     write_reference_eagle_head(random_draft(target), tmp_path / "three", safetensors=True)
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(tmp_path / "three" / "model.safetensors"))
     tensors["fc.weight"] = torch.zeros(64, 192)
     save_file(tensors, str(tmp_path / "three" / "model.safetensors"))
-    with pytest.raises(ValueError, match="EAGLE-3"):
+    with pytest.raises(ValueError, match="not an EAGLE-1/2 head: fc.weight should be"):
         convert_eagle(tmp_path / "three")
     # a missing tensor, and the command line reports it without a traceback
     tensors = load_file(str(tmp_path / "wide" / "model.safetensors"))
@@ -451,3 +451,161 @@ def test_eagle_head_errors(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "wide" / "model.safetensors"))
     with pytest.raises(SystemExit, match="lacks the tensor layers.0.mlp.up_proj.weight"):
         main(["--eagle_dir", str(tmp_path / "wide"), "--force"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Published EAGLE-3 heads: the reference's key names and shapes, and its forward, written here
+# from the published description (independently of draft.py)
+# ---------------------------------------------------------------------------------------------
+def write_reference_eagle3_head(draft, folder, embed=None, maps=True):
+    """Write an Eagle3Draft in the reference layout: config.json with draft_vocab_size, separate
+    q/k/v, midlayer.* names, d2t offsets and the t2d mask (maps=False: neither, as for a head
+    over the whole vocabulary)."""
+    from convert_hf_checkpoint import eagle3_reference_maps
+
+    folder.mkdir(parents=True, exist_ok=True)
+    c = draft.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.dim, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.n_head, "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1,
+        "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base, "max_position_embeddings": c.block_size,
+        "vocab_size": c.vocab_size, "draft_vocab_size": draft.draft_vocab_size, "torch_dtype": "float32",
+        "hidden_act": "silu"}))
+    sd = draft.state_dict()
+    q, k, v = sd["layer.attention.wqkv.weight"].split([c.n_head * c.head_dim] + [c.n_local_heads * c.head_dim] * 2)
+    tensors = {"fc.weight": sd["fc.weight"], "midlayer.self_attn.q_proj.weight": q,
+               "midlayer.self_attn.k_proj.weight": k, "midlayer.self_attn.v_proj.weight": v,
+               "midlayer.self_attn.o_proj.weight": sd["layer.attention.wo.weight"],
+               "midlayer.mlp.gate_proj.weight": sd["layer.feed_forward.w1.weight"],
+               "midlayer.mlp.up_proj.weight": sd["layer.feed_forward.w3.weight"],
+               "midlayer.mlp.down_proj.weight": sd["layer.feed_forward.w2.weight"],
+               "midlayer.input_layernorm.weight": sd["layer.input_norm.weight"],
+               "midlayer.hidden_norm.weight": sd["layer.hidden_norm.weight"],
+               "midlayer.post_attention_layernorm.weight": sd["layer.ffn_norm.weight"],
+               "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    if maps:
+        tensors["d2t"], tensors["t2d"] = eagle3_reference_maps(draft.vocab, c.vocab_size)
+    if embed is not None:
+        tensors["embed_tokens.weight"] = embed
+    from safetensors.torch import save_file
+    save_file({name: t.clone().contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
+
+
+def published_eagle3_forward(folder, embeds, fused):
+    """The EAGLE-3 draft over one sequence, causal, by the published description, from the
+    reference files alone: fc over the three layers' features; q/k/v over [input_layernorm(embed);
+    hidden_norm(feature)]; the residual from the feature; post_attention_layernorm and the SwiGLU
+    MLP; the head's own norm and lm_head. Returns (log-probabilities over the draft vocabulary,
+    the target id of each draft token: i + d2t[i])."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    n, h = embeds.shape
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D, eps = h // H, cfg["rms_norm_eps"]
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):  # x [heads, n, D], rotate-half, positions 0..n-1
+        inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
+        angles = torch.outer(torch.arange(n).float(), inv_freq)
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
+
+    g = fused @ w["fc.weight"].T
+    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), rms(g, w["midlayer.hidden_norm.weight"])], -1)
+    q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, H, D).transpose(0, 1))
+    k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV, D).transpose(0, 1))
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV, D).transpose(0, 1)
+    k, v = k.repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0)
+    scores = (q @ k.transpose(1, 2)) / D ** 0.5 + torch.full((n, n), float("-inf")).triu(1)
+    att = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, h) @ w["midlayer.self_attn.o_proj.weight"].T
+    h1 = g + att
+    z = rms(h1, w["midlayer.post_attention_layernorm.weight"])
+    out = h1 + (torch.nn.functional.silu(z @ w["midlayer.mlp.gate_proj.weight"].T)
+                * (z @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+    logits = rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+    d2t = w.get("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
+    return logits.log_softmax(-1), torch.arange(cfg["draft_vocab_size"]) + d2t
+
+
+@pytest.mark.parametrize("reduced", [True, False], ids=["reduced-vocab", "full-vocab"])
+@torch.no_grad()
+def test_published_eagle3_head_converts_and_matches_the_published_forward(tmp_path, reduced):
+    from checkpoint import load_draft
+    from conftest import random_eagle3_draft, tiny_target
+    from draft import Eagle3Draft
+
+    target = tiny_target("tiny-llama", n_layer=8)  # layers (2, 4, 5) fused
+    draft = random_eagle3_draft(target, draft_vocab_size=200 if reduced else 512, std=0.1)
+    write_reference_eagle3_head(draft, tmp_path / "head", embed=target.tok_embeddings.weight, maps=reduced)
+    assert main(["--eagle_dir", str(tmp_path / "head")]) is None
+    converted = load_draft(tmp_path / "head", target.config)
+    assert isinstance(converted, Eagle3Draft) and converted.layer_ids == (2, 4, 5)
+    assert converted.draft_vocab_size == draft.draft_vocab_size and "embed" not in " ".join(converted.state_dict())
+    tokens = torch.randint(0, 512, (1, 9))
+    target.setup_caches(1, 16)
+    _, _, layer_inputs = target(tokens, torch.arange(9), layer_ids=converted.layer_ids)
+    fused = torch.cat(layer_inputs, -1)[0]
+    embeds = target.tok_embeddings(tokens)[0]
+    expected_logp, expected_ids = published_eagle3_forward(tmp_path / "head", embeds, fused)
+    converted.setup_caches(1, 16)
+    logp = converted.log_probs(converted(embeds[None], fused[None], torch.arange(9)))[0]
+    torch.testing.assert_close(logp, expected_logp, atol=1e-4, rtol=1e-4)
+    assert torch.equal(converted.target_ids(torch.arange(converted.draft_vocab_size)), expected_ids)
+
+
+def test_eagle3_vocabulary_maps_round_trip():
+    from convert_hf_checkpoint import eagle3_reference_maps, eagle3_vocab
+
+    vocab = torch.tensor([0, 3, 4, 9, 15])
+    d2t, t2d = eagle3_reference_maps(vocab, 16)
+    assert d2t.tolist() == [0, 2, 2, 6, 11] and t2d.nonzero().flatten().tolist() == vocab.tolist()
+    assert torch.equal(eagle3_vocab(d2t, t2d, 5, 16), vocab)
+    assert torch.equal(eagle3_vocab(None, None, 16, 16), torch.arange(16))
+    bad = t2d.clone()
+    bad[5] = True
+    with pytest.raises(ValueError, match="disagree"):
+        eagle3_vocab(d2t, bad, 5, 16)
+    with pytest.raises(ValueError, match="both d2t and t2d"):
+        eagle3_vocab(d2t, None, 5, 16)
+    with pytest.raises(ValueError, match="needs the d2t and t2d maps"):
+        eagle3_vocab(None, None, 5, 16)
+
+
+def test_eagle3_head_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from checkpoint import load_draft, save_draft
+    from conftest import random_eagle3_draft, tiny_target
+    from convert_hf_checkpoint import convert_eagle
+
+    target = tiny_target("tiny-llama", n_layer=8)
+    write_reference_eagle3_head(random_eagle3_draft(target), tmp_path / "head")
+    # a missing tensor, a tensor with no place, an fc with a bias
+    tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
+    for change, message in [(lambda t: t.pop("midlayer.hidden_norm.weight"), "lacks the tensor midlayer.hidden_norm"),
+                            (lambda t: t.update(extra=torch.zeros(1)), "no place for: extra"),
+                            (lambda t: t.update({"fc.bias": torch.zeros(64)}), "without a bias")]:
+        broken = dict(tensors)
+        change(broken)
+        save_file(broken, str(tmp_path / "head" / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            convert_eagle(tmp_path / "head", force=True)
+    # heads that convert but were made for another target: wider, another vocabulary, other layers
+    wide = tiny_target("tiny-llama", dim=128, n_head=4, head_dim=32, n_layer=8)
+    write_reference_eagle3_head(random_eagle3_draft(wide), tmp_path / "wide")
+    convert_eagle(tmp_path / "wide")
+    with pytest.raises(ValueError, match="hidden size 128, the target has 64"):
+        load_draft(tmp_path / "wide", target.config)
+    other_vocab = tiny_target("tiny-llama", vocab_size=1024, n_layer=8)
+    write_reference_eagle3_head(random_eagle3_draft(other_vocab), tmp_path / "vocab")
+    convert_eagle(tmp_path / "vocab")
+    with pytest.raises(ValueError, match="vocabulary of 1024 tokens, the target has 512"):
+        load_draft(tmp_path / "vocab", target.config)
+    shallow = tiny_target("tiny-llama", n_layer=4)  # a head of ours records its target's fused layers
+    save_draft(random_eagle3_draft(shallow), tmp_path / "ours")
+    with pytest.raises(ValueError, match=r"fuses target layers \[2, 2, 1\].*made for another model"):
+        load_draft(tmp_path / "ours", target.config)

@@ -10,13 +10,24 @@ import checkpoint
 import generate as gen
 import sampling
 import speculative
-from conftest import ROOT, mirrored_pair, random_draft, tiny_target
+from conftest import ROOT, eagle3_pair, mirrored_pair, random_draft, random_eagle3_draft, tiny_target
 from tree import Tree, mc_sim_7b_63, static_tree, tree_structure
 
 METHODS = {
     "eagle": dict(static=static_tree(mc_sim_7b_63)),
     "eagle2": dict(),  # top_k 10, depth 6, 60 tokens
+    "eagle3": dict(tree_depth=8),  # an EAGLE-3 draft over a reduced vocabulary, top_k 10, 60 tokens
 }
+
+
+def draft_for(method, target, **kw):
+    """A random draft of the kind the method runs."""
+    return random_eagle3_draft(target, **kw) if method == "eagle3" else random_draft(target, **kw)
+
+
+def pair_for(method, **kw):
+    """A target and a draft that predicts it well (long accepted runs) for the method."""
+    return eagle3_pair(**kw) if method == "eagle3" else mirrored_pair(**kw)
 
 
 def vanilla(target, prompt, n, **kw):
@@ -37,7 +48,7 @@ def prompts(count, vocab, seed=0, lengths=(3, 17)):
 @torch.no_grad()
 def test_greedy_equals_vanilla_random_draft(method):
     target = tiny_target("tiny-llama")
-    spec = speculative.Speculator(target, random_draft(target), **METHODS[method])
+    spec = speculative.Speculator(target, draft_for(method, target), **METHODS[method])
     for prompt in prompts(20, 512):
         ids, _ = speculative.speculative_generate(spec, prompt, 40)
         assert ids == vanilla(target, prompt, 40)
@@ -49,7 +60,7 @@ def test_greedy_equals_vanilla_random_draft(method):
 def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
     """A draft that mirrors the target gets most guesses accepted: deep paths, compaction of
     several tokens per round, and rows of a batch that accept different lengths."""
-    target, draft = mirrored_pair()
+    target, draft = pair_for(method)
     spec = speculative.Speculator(target, draft, **METHODS[method])
     spec.setup(4, 128)
     round_fn = speculative.compile_round(spec, compile_prefill=False).round if compiled else None
@@ -69,7 +80,7 @@ def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
 @pytest.mark.parametrize("method", METHODS)
 @torch.no_grad()
 def test_stop_token_inside_an_accepted_run(method):
-    target, draft = mirrored_pair(seed=3)
+    target, draft = pair_for(method, seed=3)
     spec = speculative.Speculator(target, draft, **METHODS[method])
     prompt = prompts(1, 512, seed=4)[0]
     full = vanilla(target, prompt, 60)[0]
@@ -86,7 +97,7 @@ def test_stop_token_inside_an_accepted_run(method):
 @pytest.mark.parametrize("method", METHODS)
 @torch.no_grad()
 def test_generation_up_to_the_end_of_the_cache(method):
-    target, draft = mirrored_pair(block_size=64)
+    target, draft = pair_for(method, block_size=64)
     spec = speculative.Speculator(target, draft, **METHODS[method])
     spec.setup(1, 64 + 2 * (spec.depth + 1))  # exactly what the last round can need
     prompt = prompts(1, 512, seed=5, lengths=(20, 21))[0]
@@ -95,9 +106,10 @@ def test_generation_up_to_the_end_of_the_cache(method):
     assert ids == vanilla(target, prompt, 44)
 
 
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
 @torch.no_grad()
-def test_kv_cache_after_rounds_equals_vanilla_cache():
-    target, draft = mirrored_pair(seed=6)
+def test_kv_cache_after_rounds_equals_vanilla_cache(method):
+    target, draft = pair_for(method, seed=6)
     fresh = copy.deepcopy(target)
     spec = speculative.Speculator(target, draft)
     prompt = prompts(1, 512, seed=7)[0]
@@ -134,9 +146,12 @@ def test_greedy_equals_vanilla_on_smollm2(smollm2_checkpoint):
 
     target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32)
     tokenizer = load_tokenizer(smollm2_checkpoint)
-    head = ROOT / "heads" / "SmolLM2-135M-Instruct"
-    draft = load_draft(head, target.config) if head.is_dir() else random_draft(target)
-    specs = {m: speculative.Speculator(target, draft, stop_ids=tokenizer.stop_ids, **kw) for m, kw in METHODS.items()}
+    heads = {"eagle": "SmolLM2-135M-Instruct", "eagle2": "SmolLM2-135M-Instruct", "eagle3": "SmolLM2-135M-Instruct-eagle3"}
+    specs = {}
+    for method, kw in METHODS.items():
+        head = ROOT / "heads" / heads[method]
+        draft = load_draft(head, target.config) if (head / "draft.safetensors").is_file() else draft_for(method, target)
+        specs[method] = speculative.Speculator(target, draft, stop_ids=tokenizer.stop_ids, **kw)
     for text in CHAT_PROMPTS:
         prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
         expected = vanilla(target, prompt, 24, stop_ids=tokenizer.stop_ids)
@@ -241,13 +256,21 @@ def chi_square_p_value(counts, expected):
     return float(torch.special.gammaincc(df / 2, chi2 / 2))
 
 
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 4, None), (1.0, None, 0.8)])
 @torch.no_grad()
-def test_eagle2_sampling_matches_vanilla_distribution(temperature, top_k, top_p):
+def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method):
     """20,000 rows sampled in one batch: the joint law of the first three tokens passes a
-    chi-square test against vanilla's exact law, and fails one against a slightly hotter law."""
+    chi-square test against vanilla's exact law, and fails one against a slightly hotter law.
+    eagle3: the draft's vocabulary lacks some of the eight tokens, which it can never propose:
+    they must still come out with exactly their probability (through the residual draws)."""
     V, N = 8, 20_000
-    target, draft = mirrored_pair(seed=11, vocab_size=V)  # a draft good enough to be accepted often
+    if method == "eagle3":  # sharpness 0.03: the target's next token is token + 1 about half the time
+        target, draft = eagle3_pair(seed=11, vocab_size=V, sharpness=0.03, missing=0.3)
+        outside_vocab = torch.tensor(sorted(set(range(V)) - set(draft.vocab.tolist())))
+        assert 1 <= len(outside_vocab) <= 4
+    else:
+        target, draft = mirrored_pair(seed=11, vocab_size=V)  # a draft good enough to be accepted often
     prompt = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(0))
     exact = exact_first_three(target, prompt, temperature, top_k, top_p)
     hotter = exact_first_three(target, prompt, temperature * 1.15, top_k, top_p)
@@ -262,3 +285,6 @@ def test_eagle2_sampling_matches_vanilla_distribution(temperature, top_k, top_p)
     assert (first_round > 1).float().mean() > 0.3 and (first_round == 1).float().mean() > 0.05  # both paths
     assert chi_square_p_value(counts, N * exact) > 1e-3
     assert chi_square_p_value(counts, N * hotter) < 1e-3  # the test can tell a wrong law
+    if method == "eagle3":  # tokens the draft cannot say were emitted, as often as vanilla emits them
+        outside = torch.isin(first3, outside_vocab)
+        assert outside.any(dim=1).float().mean() > 0.1

@@ -200,3 +200,32 @@ def test_eagle3_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, mo
     ids, _ = speculative.speculative_generate(spec, prompt, 24)
     target.setup_caches(1, 64)
     assert ids == gen.generate(target, prompt, 24)
+
+
+def test_prompt_stage_resumes_where_it_stopped(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """An interrupted prompt stage continues from its saved prompts and sampler state: the result
+    equals an uninterrupted run's."""
+    from convert_hf_checkpoint import convert_hf
+
+    model_path = convert_hf(tiny_hf_checkpoint("qwen2"), dtype="float32")
+    target = checkpoint.load_model(model_path, "cpu", torch.float32)
+    tokenizer = load_tokenizer(model_path.parent)
+    monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()) and not seen.add(text))
+    preset = te.Preset(n_prompts=20, prompt_max_tokens=48, gen_batch=8, val_fraction=0.25)
+    whole = te.make_prompts(target, tokenizer, preset, tmp_path / "whole.json", seed=3)
+
+    calls, real = [], te.generate_batch
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(te, "generate_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        te.make_prompts(target, tokenizer, preset, tmp_path / "resumed.json", seed=3)
+    assert (tmp_path / "resumed.partial.pt").is_file() and not (tmp_path / "resumed.json").exists()
+    monkeypatch.setattr(te, "generate_batch", real)
+    assert te.make_prompts(target, tokenizer, preset, tmp_path / "resumed.json", seed=3) == whole
+    assert not (tmp_path / "resumed.partial.pt").exists()
