@@ -10,6 +10,9 @@ from}); from a GGUF file also DIR/tokenizer.json, rebuilt from the file's metada
 Supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM (GGUF:
 llama, qwen2), which covers LLaMA-2/3/3.1, Vicuna, Mistral, Mixtral, Qwen2/2.5 and SmolLM2. GGUF
 tensors are dequantized (gguf.quants): the result is an ordinary float checkpoint, not a quantized one.
+
+hf_model_from_ours(model) goes the other way, for scripts/benchmark.py --peers: a loaded model.py
+model as a transformers LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM.
 """
 import argparse
 import json
@@ -152,6 +155,21 @@ def _load_bin(path: Path) -> dict:
         raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
 
 
+# Hugging Face's names -> model.py's, one table for both directions (hf_to_model_state_dict and
+# model_to_hf_state_dict). Per layer, below model.layers.N. and layers.N.; q/k/v, which model.py
+# keeps as one wqkv matrix, and Mixtral's experts are handled in the code.
+HF_LAYER_NAMES = {
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+HF_DENSE_MLP_NAMES = {  # dense models; Mixtral's feed-forward is _experts()
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+
+
 def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
     """Hugging Face tensor names -> model.py's. q/k/v are concatenated into one wqkv matrix
     (their rows keep HF's rotate-half RoPE layout, which model.py uses). `weights` is emptied as
@@ -169,15 +187,10 @@ def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
         out[ours + "attention.wqkv.weight"] = torch.cat(qkv)
         if args.qkv_bias:
             out[ours + "attention.wqkv.bias"] = torch.cat([take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"])
-        out[ours + "attention.wo.weight"] = take(hf + "self_attn.o_proj.weight")
         if args.num_experts:
             out.update(_experts(take, weights, hf, ours + "feed_forward.", args.num_experts))
-        else:
-            out[ours + "feed_forward.w1.weight"] = take(hf + "mlp.gate_proj.weight")
-            out[ours + "feed_forward.w3.weight"] = take(hf + "mlp.up_proj.weight")
-            out[ours + "feed_forward.w2.weight"] = take(hf + "mlp.down_proj.weight")
-        out[ours + "attention_norm.weight"] = take(hf + "input_layernorm.weight")
-        out[ours + "ffn_norm.weight"] = take(hf + "post_attention_layernorm.weight")
+        names = HF_LAYER_NAMES if args.num_experts else {**HF_LAYER_NAMES, **HF_DENSE_MLP_NAMES}
+        out.update({ours + o: take(hf + h) for h, o in names.items()})
     out["norm.weight"] = take("model.norm.weight")
     if args.tie_embeddings:
         weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy anyway
@@ -207,6 +220,86 @@ def _experts(take, weights: dict, hf: str, ours: str, n_experts: int) -> dict:
     return {ours + "gate.weight": take(moe + "gate.weight"),
             **{f"{ours}{w}.weight": torch.stack([take(f"{moe}experts.{e}.{w}.weight") for e in range(n_experts)])
                for w in ("w1", "w3", "w2")}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Back to Hugging Face: scripts/benchmark.py --peers runs transformers on our checkpoint. The
+# library never imports transformers; these functions import it when they are called.
+# ---------------------------------------------------------------------------------------------
+def _require_dense(args: ModelArgs):
+    if args.num_experts:  # transformers 4 and 5 lay Mixtral's experts out differently in memory
+        raise ValueError("a mixture-of-experts model (Mixtral) cannot be written back to transformers here: dense models only")
+
+
+def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
+    """model.py's tensor names -> Hugging Face's, the inverse of hf_to_model_state_dict: wqkv
+    splits back into q/k/v, whose rows are already in HF's rotate-half layout (nothing to
+    permute). The tensors are shared, not copied. A tied LM head is the embedding, whether
+    state_dict lists output.weight (a module's state dict) or not (model.pth)."""
+    _require_dense(args)
+    weights = dict(state_dict)  # emptied as it goes, to find what has no place in a transformers model
+
+    def take(name):
+        if name not in weights:
+            raise ValueError(f"the state dict lacks the tensor {name}")
+        return weights.pop(name)
+
+    q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+    out = {"model.embed_tokens.weight": take("tok_embeddings.weight")}
+    for i in range(args.n_layer):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for p, w in zip("qkv", take(ours + "attention.wqkv.weight").split([q, kv, kv])):
+            out[f"{hf}self_attn.{p}_proj.weight"] = w
+        if args.qkv_bias:
+            for p, b in zip("qkv", take(ours + "attention.wqkv.bias").split([q, kv, kv])):
+                out[f"{hf}self_attn.{p}_proj.bias"] = b
+        out.update({hf + h: take(ours + o) for h, o in {**HF_LAYER_NAMES, **HF_DENSE_MLP_NAMES}.items()})
+    out["model.norm.weight"] = take("norm.weight")
+    if args.tie_embeddings:
+        weights.pop("output.weight", None)
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    else:
+        out["lm_head.weight"] = take("output.weight")
+    if weights:  # int8/int4 scales, for one: transformers gets float weights only
+        raise ValueError(f"tensors with no place in a transformers model (a quantized checkpoint? convert a float "
+                         f"model.pth instead): {', '.join(sorted(weights)[:5])}{' ...' if len(weights) > 5 else ''}")
+    return out
+
+
+def hf_config(args: ModelArgs):
+    """The transformers config of a model.py config, the inverse of model_args_from_hf: Qwen2
+    where q/k/v have biases, Mistral where attention has a sliding window, else LLaMA (which
+    covers SmolLM2). Token ids are left unset (None): LlamaConfig's defaults, BOS 1 and EOS 2,
+    are not this model's; generate() is told its stop tokens."""
+    import transformers
+
+    _require_dense(args)
+    common = dict(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.n_layer, num_attention_heads=args.n_head, num_key_value_heads=args.n_local_heads,
+        head_dim=args.head_dim, max_position_embeddings=args.block_size, rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_base, rope_scaling=dict(rope_type="llama3", **args.rope_scaling) if args.rope_scaling else None,
+        tie_word_embeddings=args.tie_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if args.qkv_bias:  # Qwen2 always has q/k/v biases; its window, when on, is in every layer here
+        window = dict(use_sliding_window=bool(args.sliding_window), sliding_window=args.sliding_window, max_window_layers=0)
+        return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **common, **window)
+    if args.sliding_window:
+        return transformers.MistralConfig(architectures=["MistralForCausalLM"], sliding_window=args.sliding_window, **common)
+    return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **common)
+
+
+def hf_model_from_ours(model, attn_implementation: str = "sdpa"):
+    """A transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM with the config and
+    a copy of the weights of `model` (a model.py Transformer), on its device, in its dtype, in eval
+    mode. SDPA attention, as model.py's own decoding uses."""
+    from transformers import AutoModelForCausalLM
+
+    weight = model.tok_embeddings.weight
+    config = hf_config(model.config)
+    with torch.device(weight.device):  # built where it will run: a 7B model is never made on the CPU first
+        hf = AutoModelForCausalLM.from_config(config, dtype=weight.dtype, attn_implementation=attn_implementation)
+    hf.load_state_dict(model_to_hf_state_dict(model.state_dict(), model.config), strict=True)
+    return hf.eval()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,11 @@ follows vanilla's answer to turn 1 at the same temperature for every method, so 
 decode the same prompts (at temperature 0 their answers are equal anyway). An answer's time is
 the whole call, prefill included; tokens/s is total tokens over total time.
 
+--peers adds Hugging Face transformers, the baseline EAGLE's published speedups are measured
+against, as two more rows on the same weights, prompts, dtype, device and stop tokens:
+    hf                 model.generate: greedy at T=0, at T>0 sampling with top_k=0, top_p=1
+    hf_prompt_lookup   the same with prompt-lookup decoding (--prompt_lookup_num_tokens)
+
 Writes OUT.json (one record per method x temperature x category, "overall" included), OUT.md
 (tables) and OUT.png (speedups; needs matplotlib from requirements-dev.txt, or pass --no_plot).
 
@@ -49,6 +54,7 @@ from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2")
+PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods (vanilla stays the reference)
 DEFAULT_QUESTIONS = ROOT.parent / "shared/data/mt_bench/question.jsonl"
 
 
@@ -79,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None,
                    help="output path without suffix (default: benchmarks/mt_bench-MODEL or benchmarks/random-NAME)")
     p.add_argument("--no_plot", action="store_true", help="skip OUT.png (no matplotlib needed)")
+    p.add_argument("--peers", action="store_true",
+                   help="also run transformers' generate and its prompt-lookup decoding on the same checkpoint "
+                        "(needs transformers from requirements-dev.txt)")
+    p.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="--peers: hf_prompt_lookup's candidates per forward")
     r = p.add_argument_group("random-weights mode")
     r.add_argument("--random_weights", action="store_true", help="real-shaped model with random weights, no checkpoint")
     r.add_argument("--model_name", type=str, default=None, help="a model.py config, e.g. llama-2-7b, SmolLM2-135M")
@@ -123,6 +133,15 @@ def parse_args(argv=None):
         if len(args.methods) > 1 and not args.draft_checkpoint_path.exists():
             errors.append(f"methods {' '.join(args.methods[1:])} need an EAGLE draft: {args.draft_checkpoint_path} "
                           f"not found (pass --draft_checkpoint_path, or --methods vanilla)")
+    if args.peers and args.random_weights:
+        errors.append("--peers adds rows to the MT-bench run; random-weights mode has no checkpoint to give transformers")
+    elif args.peers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            errors.append("--peers needs transformers: pip install -r requirements-dev.txt")
+    if args.prompt_lookup_num_tokens < 1:
+        errors.append(f"--prompt_lookup_num_tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
     if not args.no_plot and not args.random_weights:
         try:
             import matplotlib  # noqa: F401
@@ -268,6 +287,47 @@ def build_decoders(args, model: Transformer, draft, stop_ids, context: int, prob
     return decoders, tree_sizes
 
 
+def build_peers(args, model: Transformer, stop_ids) -> dict:
+    """{(peer, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per forward after
+    the first)} for --peers: transformers' generate on a copy of the target's weights, same dtype
+    and device, same stop tokens, so that its rows are measured exactly like ours. Eager, with
+    generate's default cache (dynamic: it grows with the answer; a static one is what
+    transformers compiles with, and its prompt lookup refuses one), SDPA attention, use_cache."""
+    from convert_hf_checkpoint import hf_model_from_ours
+
+    hf = hf_model_from_ours(model)
+    stop = sorted(stop_ids)
+
+    def peer(options):
+        def decode(prompt_ids, max_new_tokens):
+            prompt = torch.tensor([prompt_ids], device=args.device)
+            lengths = []
+
+            def record_length(input_ids, scores, **kwargs):
+                # A stopping criterion that never stops: generate checks its criteria once per
+                # forward, so the lengths it sees give the tokens each forward emitted.
+                lengths.append(input_ids.shape[1])
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+            with torch.inference_mode():
+                out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                  eos_token_id=stop or None, pad_token_id=stop[0] if stop else None, use_cache=True,
+                                  stopping_criteria=[record_length], **options)
+            # As speculative_generate counts rounds: the first forward is the prefill (with prompt
+            # lookup it also checks guesses from the prompt, so it may emit more than one token).
+            return out[0, len(prompt_ids):].tolist(), [b - a for a, b in zip(lengths, lengths[1:])]
+        return decode
+
+    decoders = {}
+    for T in args.temperatures:
+        # generate's own defaults would sample from the top 50 only: top_k=0 and top_p=1 keep the
+        # whole distribution, as our methods sample from it
+        options = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
+        decoders["hf", T] = peer(options)
+        decoders["hf_prompt_lookup", T] = peer(dict(options, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens))
+    return decoders
+
+
 def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
     over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
@@ -290,7 +350,7 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
     for r in records:
         r["speedup"] = r["tokens_per_s"] / vanilla[r["temperature"], r["category"]]
-    order = {m: i for i, m in enumerate(METHODS)}
+    order = {m: i for i, m in enumerate(METHODS + PEERS)}
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
 
 
@@ -323,6 +383,9 @@ def run_mt_bench(args, argv=None) -> dict:
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
     probe_ids = conversation(questions[0], 0, [])
     decoders, tree_sizes = build_decoders(args, model, draft, tokenizer.stop_ids, context, probe_ids)
+    if args.peers:  # after the draft is loaded (the peers need none); run after ours, vanilla first
+        decoders.update(build_peers(args, model, tokenizer.stop_ids))
+        args.methods = [*args.methods, *PEERS]
 
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
     for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
@@ -366,6 +429,10 @@ def run_mt_bench(args, argv=None) -> dict:
     bar.close()
 
     fields = dict(header(args, argv), model=args.checkpoint_path.parent.name)
+    if args.peers:
+        import transformers
+
+        fields["transformers"] = transformers.__version__
     records = summarize(answers, {k: fields[k] for k in ("hardware", "model", "dtype", "compiled", "date", "command")},
                         peaks)
     for r in records:
@@ -378,6 +445,8 @@ def run_mt_bench(args, argv=None) -> dict:
 
 
 def tree_tokens_of(method, T, args, tree_sizes):
+    if method in PEERS:
+        return None
     return {"vanilla": None, "chain": args.chain_depth + 1, "eagle": 26, "eagle2": tree_sizes.get(T)}[method]
 
 
@@ -389,6 +458,15 @@ def method_notes(args, tree_sizes) -> dict:
     if args.tree_tokens == "auto":
         chosen = ", ".join(f"T={T:g}: {n if n else 'vanilla decoding'}" for T, n in tree_sizes.items())
         notes["eagle2"] += f" (chose {chosen})"
+    if args.peers:
+        import transformers
+
+        notes["hf"] = (f"transformers {transformers.__version__} model.generate on a copy of the weights: greedy at "
+                       f"T=0, at T>0 sampling with top_k=0, top_p=1; eager, its default dynamic KV cache, SDPA; "
+                       f"τ counts the forwards after the first")
+        notes["hf_prompt_lookup"] = (f"as hf, with prompt-lookup decoding (prompt_lookup_num_tokens "
+                                     f"{args.prompt_lookup_num_tokens}): guesses copied from earlier n-grams of the "
+                                     f"prompt and answer, checked in one forward")
     return {m: notes[m] for m in args.methods}
 
 

@@ -1,5 +1,5 @@
-"""scripts/benchmark.py end to end on a tiny checkpoint (MT-bench mode and random-weights mode),
-and generate.py's --tree_tokens auto: the pure decision rule on made-up cost curves, the
+"""scripts/benchmark.py end to end on a tiny checkpoint (MT-bench mode, with and without the
+transformers peers, and random-weights mode), and generate.py's --tree_tokens auto: the pure decision rule on made-up cost curves, the
 measurement it reads, and the fallback to vanilla decoding."""
 import argparse
 import importlib.util
@@ -120,6 +120,8 @@ def test_random_weights_mode(tmp_path):
     (["--random_weights", "--model_name", "no-such-model"], "unknown model name"),
     (["--tree_tokens", "many"], "expected a number of tree nodes or 'auto'"),
     (["--temperatures", "-1"], "--temperatures must be >= 0"),
+    (["--random_weights", "--model_name", "tiny-llama", "--peers"], "--peers adds rows to the MT-bench run"),
+    (["--methods", "vanilla", "--peers", "--prompt_lookup_num_tokens", "0"], "--prompt_lookup_num_tokens must be >= 1"),
 ])
 def test_bad_flags_are_clear_errors(tiny_checkpoint, tmp_path, capsys, args, message):
     checkpoint, questions = tiny_checkpoint
@@ -151,6 +153,78 @@ def test_missing_matplotlib_is_a_clear_error_before_the_run(tiny_checkpoint, tmp
     assert not (tmp_path / "x.json").exists()
     bench.main(argv + ["--no_plot"])  # runs without it
     assert (tmp_path / "x.json").exists() and not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --peers: transformers on the same checkpoint and prompts
+# ---------------------------------------------------------------------------------------------
+def test_peers_end_to_end(tiny_checkpoint, tmp_path):
+    """hf and hf_prompt_lookup rows beside vanilla at both temperatures; --methods vanilla needs
+    no draft, with or without the peers."""
+    import transformers
+
+    checkpoint, questions = tiny_checkpoint
+    (checkpoint.parent / "eagle").rename(tmp_path / "moved")
+    out = tmp_path / "peers"
+    report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--num_questions", "2",
+                         "--max_new_tokens", "24", "--device", "cpu", "--methods", "vanilla", "--peers", "--out", str(out)])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["transformers"] == transformers.__version__
+    overall = {(r["method"], r["temperature"]): r for r in saved["records"] if r["category"] == "overall"}
+    assert set(overall) == {(m, T) for m in ("vanilla", *bench.PEERS) for T in (0.0, 1.0)}
+    assert {r["category"] for r in saved["records"] if r["method"] == "hf"} == {"overall", "writing", "coding"}
+    assert len(saved["answers"]) == 2 * 2 * 3 * 2  # questions x turns x methods x temperatures
+    for (method, T), r in overall.items():
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["tree_tokens"] is None
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / overall["vanilla", T]["tokens_per_s"])
+        # float32 on the same weights: transformers' greedy answers are ours, token for token
+        assert r["equal_to_vanilla"] == (1.0 if T == 0 else None)
+    # plain generate: one forward per token, counted, not assumed
+    assert overall["hf", 0.0]["mean_accepted"] == overall["hf", 1.0]["mean_accepted"] == 1.0
+    assert overall["hf_prompt_lookup", 0.0]["mean_accepted"] >= 1.0
+    markdown = out.with_suffix(".md").read_text()
+    assert f"transformers {transformers.__version__}" in markdown
+    assert "| hf | 0 |" in markdown and "| hf_prompt_lookup | 1 |" in markdown and "prompt_lookup_num_tokens 10" in markdown
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["methods"].keys() == {"vanilla", *bench.PEERS}
+
+
+@torch.no_grad()
+def test_prompt_lookup_peer_counts_its_forwards(monkeypatch):
+    """On a prompt that the tiny model continues by repeating it, prompt lookup's guesses are
+    accepted: fewer forwards than tokens, each counted by a hook on the transformers model, and
+    the answer is still greedy vanilla's."""
+    import convert_hf_checkpoint
+
+    target, _ = mirrored_pair()
+    forwards, build = [], convert_hf_checkpoint.hf_model_from_ours
+
+    def counted(model):
+        hf = build(model)
+        hf.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+        return hf
+
+    monkeypatch.setattr(convert_hf_checkpoint, "hf_model_from_ours", counted)
+    args = argparse.Namespace(device="cpu", temperatures=[0.0], prompt_lookup_num_tokens=10)
+    decoders = bench.build_peers(args, target, stop_ids=())
+    prompt = gen.generate(target, torch.tensor([[5, 7, 11]]), 24)[0]  # the greedy answer loops
+    expected = gen.generate(target, torch.tensor([prompt]), 24)[0]
+    ids, per_round = decoders["hf_prompt_lookup", 0.0](prompt, 24)
+    assert ids == expected and len(forwards) == 1 + len(per_round) < len(ids)
+    assert sum(per_round) < len(ids) and max(per_round) > 1
+    forwards.clear()
+    ids, per_round = decoders["hf", 0.0](prompt, 24)
+    assert ids == expected and per_round == [1] * 23 and len(forwards) == 24
+
+
+def test_missing_transformers_is_a_clear_error_before_the_run(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    checkpoint, questions = tiny_checkpoint
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(SystemExit):
+        bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--methods", "vanilla",
+                    "--peers", "--device", "cpu", "--no_plot", "--out", str(tmp_path / "x")])
+    assert "--peers needs transformers: pip install -r requirements-dev.txt" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 # ---------------------------------------------------------------------------------------------

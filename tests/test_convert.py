@@ -1,6 +1,7 @@
 """convert_hf_checkpoint.py: converted checkpoints give transformers' logits; GGUF files (written
 here, with llama.cpp's q/k permutation, and the real SmolLM2 one) convert to the right RoPE layout;
-bad input fails with a clear message."""
+bad input fails with a clear message; and back: a model.py model written into transformers gives
+our logits (scripts/benchmark.py --peers)."""
 import json
 import math
 
@@ -11,8 +12,11 @@ import torch
 from gguf.quants import dequantize, quantize
 from transformers import AutoModelForCausalLM
 
-from convert_hf_checkpoint import convert_gguf, convert_hf, main
+from conftest import tiny_target
+from convert_hf_checkpoint import (convert_gguf, convert_hf, hf_model_from_ours, hf_to_model_state_dict, main,
+                                   model_args_from_hf, model_to_hf_state_dict)
 from model import ModelArgs, Transformer
+from quantize import quantize_model
 from tokenizer import load_tokenizer
 
 Q8_0, Q4_0, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
@@ -609,3 +613,69 @@ def test_eagle3_head_errors(tmp_path):
     save_draft(random_eagle3_draft(shallow), tmp_path / "ours")
     with pytest.raises(ValueError, match=r"fuses target layers \[2, 2, 1\].*made for another model"):
         load_draft(tmp_path / "ours", target.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Back to transformers (scripts/benchmark.py --peers)
+# ---------------------------------------------------------------------------------------------
+def random_ours(name: str, **overrides) -> Transformer:
+    """A model.py tiny config with O(1) random weights, biases and norms, so that a wrong name,
+    a wrong q/k/v split or a lost bias shows in the logits."""
+    model = tiny_target(name, **overrides)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if n.endswith("norm.weight") else p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("name, overrides, architecture", [
+    ("tiny-llama-3.1", {}, "LlamaForCausalLM"),  # GQA, llama3 RoPE scaling
+    ("tiny-qwen2", {}, "Qwen2ForCausalLM"),  # q/k/v biases, tied embeddings
+    ("tiny-llama", dict(sliding_window=16), "MistralForCausalLM"),
+    ("tiny-qwen2", dict(sliding_window=16), "Qwen2ForCausalLM"),  # Qwen2's window, in every layer
+])
+@torch.no_grad()
+def test_hf_model_from_ours_gives_our_logits(name, overrides, architecture):
+    model = random_ours(name, **overrides)
+    hf = hf_model_from_ours(model)
+    assert type(hf).__name__ == architecture and hf.dtype == torch.float32
+    # the inverse of each half of the converter: config and weights come back unchanged
+    assert model_args_from_hf(hf.config.to_dict()) == model.config
+    ours = model.state_dict()
+    back = hf_to_model_state_dict(model_to_hf_state_dict(ours, model.config), model.config)
+    if model.config.tie_embeddings:  # the shared matrix is stored once, as model.pth stores it
+        del ours["output.weight"]
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))  # 40 > the window of 16
+    model.setup_caches(2, 40)
+    # Float32, the same operations: measured equal to the last bit on a CPU; 1e-5 leaves room
+    # for another kernel's summation order.
+    torch.testing.assert_close(hf(ids).logits, model(ids, torch.arange(40)), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_hf_model_from_ours_smollm2(smollm2_checkpoint):
+    """The real model (LLaMA architecture, tied embeddings, 30 layers), from model.pth."""
+    model = load_converted(smollm2_checkpoint / "model.pth")
+    hf = hf_model_from_ours(model)
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings
+    ids = load_tokenizer(smollm2_checkpoint).encode(PARAGRAPH)
+    model.setup_caches(1, len(ids))
+    ours, theirs = model(torch.tensor([ids]), torch.arange(len(ids))), hf(torch.tensor([ids])).logits
+    # Float32 through 30 layers, summed in another order (one wqkv matmul here, three there):
+    # measured 4e-5 apart on logits of magnitude ~30.
+    torch.testing.assert_close(theirs, ours, atol=2e-4, rtol=1e-5)
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_hf_model_from_ours_errors():
+    with pytest.raises(ValueError, match="mixture-of-experts model .* dense models only"):
+        hf_model_from_ours(tiny_target("tiny-mixtral"))
+    model = tiny_target("tiny-llama")
+    quantize_model(model, "int8")
+    with pytest.raises(ValueError, match=r"no place in a transformers model \(a quantized checkpoint\?.*scales"):
+        hf_model_from_ours(model)
+    state_dict = tiny_target("tiny-llama").state_dict()
+    del state_dict["layers.1.feed_forward.w3.weight"]
+    with pytest.raises(ValueError, match="lacks the tensor layers.1.feed_forward.w3.weight"):
+        model_to_hf_state_dict(state_dict, ModelArgs.from_name("tiny-llama"))
