@@ -8,6 +8,7 @@ Methods, run in one process on exactly the same prompts so that their ratios are
     chain    the EAGLE draft without a tree: a chain of --chain_depth guesses per round
     eagle    EAGLE-1's static tree mc_sim_7b_63 (26 nodes, depth 5)
     eagle2   EAGLE-2's dynamic tree (--tree_top_k, --tree_depth, --tree_tokens; "auto" measures)
+    eagle3   an EAGLE-3 head (--draft3_checkpoint_path) growing the dynamic tree (--tree_depth3)
 at each of --temperatures (default 0 and 1). Every MT-bench question is asked in its two turns
 with the chat template: turn 1 is answered, the answer appended, then turn 2 is answered. Turn 2
 follows vanilla's answer to turn 1 at the same temperature for every method, so that all methods
@@ -53,7 +54,8 @@ from draft import EagleDraft, draft_config_for, dynamic_tree_slots  # noqa: E402
 from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
-METHODS = ("vanilla", "chain", "eagle", "eagle2")
+METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3")
+HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}  # which head a method runs
 PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods (vanilla stays the reference)
 DEFAULT_QUESTIONS = ROOT.parent / "shared/data/mt_bench/question.jsonl"
 
@@ -62,19 +64,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="EAGLE draft folder (default: the eagle/ folder beside the checkpoint)")
+                   help="EAGLE-1/2 head for chain, eagle, eagle2 (default: the eagle/ folder beside the checkpoint)")
+    p.add_argument("--draft3_checkpoint_path", type=Path, default=None,
+                   help="EAGLE-3 head for eagle3 (default: the eagle3/ folder beside the checkpoint)")
     p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
     p.add_argument("--num_questions", type=int, default=None,
                    help="ask only this many questions, taken in turn from each category (default: all)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="vanilla always runs: it is the reference")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                   help="vanilla always runs: it is the reference (default: every method whose head is there)")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
     p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
     p.add_argument("--tree_top_k", type=int, default=10, help="eagle2 (and random weights): children per node")
     p.add_argument("--tree_depth", type=int, default=6, help="eagle2 (and random weights): levels of guesses")
+    p.add_argument("--tree_depth3", type=int, default=8, help="eagle3: levels of guesses (8 in the EAGLE-3 paper)")
     p.add_argument("--tree_tokens", type=gen._tree_tokens_arg, default=60,
-                   help="eagle2: nodes per round, root included, or auto (generate.auto_tree_tokens, per temperature)")
+                   help="eagle2/eagle3: nodes per round, root included, or auto (measured per method and temperature)")
     p.add_argument("--compile", action="store_true", help="compile the decode step and the rounds")
     p.add_argument("--compile_prefill", action="store_true")
     p.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
@@ -127,12 +132,18 @@ def parse_args(argv=None):
             errors.append(f"--question_file not found: {args.question_file}")
         if not args.checkpoint_path.is_file():
             errors.append(f"checkpoint not found: {args.checkpoint_path} (prepare one with scripts/prepare.sh)")
+        heads = {"eagle": args.draft_checkpoint_path or args.checkpoint_path.parent / "eagle",
+                 "eagle3": args.draft3_checkpoint_path or args.checkpoint_path.parent / "eagle3"}
+        args.draft_checkpoint_path, args.draft3_checkpoint_path = heads["eagle"], heads["eagle3"]
+        if args.methods is None:  # every method whose head is on disk
+            args.methods = [m for m in METHODS[1:] if heads[HEAD_OF[m]].exists()]
         args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
-        if args.draft_checkpoint_path is None:
-            args.draft_checkpoint_path = args.checkpoint_path.parent / "eagle"
-        if len(args.methods) > 1 and not args.draft_checkpoint_path.exists():
-            errors.append(f"methods {' '.join(args.methods[1:])} need an EAGLE draft: {args.draft_checkpoint_path} "
-                          f"not found (pass --draft_checkpoint_path, or --methods vanilla)")
+        for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:]):
+            if not heads[head].exists():
+                needing = " ".join(m for m in args.methods[1:] if HEAD_OF[m] == head)
+                flag = "--draft3_checkpoint_path" if head == "eagle3" else "--draft_checkpoint_path"
+                errors.append(f"methods {needing} need an {'EAGLE-3' if head == 'eagle3' else 'EAGLE-1/2'} head: "
+                              f"{heads[head]} not found (pass {flag}, or leave them out of --methods)")
     if args.peers and args.random_weights:
         errors.append("--peers adds rows to the MT-bench run; random-weights mode has no checkpoint to give transformers")
     elif args.peers:
@@ -231,24 +242,40 @@ def load_questions(path: Path, n=None) -> list:
     return sorted(picked, key=questions.index)
 
 
-def build_decoders(args, model: Transformer, draft, stop_ids, context: int, probe_ids) -> tuple:
-    """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per round or None)},
-    and {temperature: the eagle2 tree size, or None where --tree_tokens auto chose vanilla}.
-    All methods share the target, the draft and their caches, allocated here once for the
-    largest tree, before anything is compiled."""
-    device = args.device
-    tree_sizes = {T: args.tree_tokens for T in args.temperatures}
-    if "eagle2" in args.methods and args.tree_tokens == "auto":
+def tree_shapes(args, model: Transformer, drafts: dict, probe_ids) -> dict:
+    """{(method, temperature): the speculative tree's shape, or None where --tree_tokens auto
+    chose vanilla decoding}. A shape is dict(static=...) or dict(tree_top_k, tree_depth, tree_tokens)."""
+    statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]), "eagle": static_tree(mc_sim_7b_63)}
+    shapes = {}
+    for method in args.methods[1:]:
         for T in args.temperatures:
-            tree_sizes[T] = speculative.auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
-                                                 tree_depth=args.tree_depth, temperature=T)
-    statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]),
-               "eagle": static_tree(mc_sim_7b_63)}
-    depth = max(args.chain_depth, 5, args.tree_depth)
-    n_nodes = max(args.chain_depth + 1, 26, *[n for n in tree_sizes.values() if n])
-    model.setup_caches(1, context + 2 * (depth + 1) + n_nodes)
-    if draft is not None:
-        draft.setup_caches(1, context + 2 * (depth + 1) + max(n_nodes, args.tree_top_k * args.tree_depth))
+            if method in statics:
+                shapes[method, T] = dict(static=statics[method])
+                continue
+            depth = args.tree_depth3 if method == "eagle3" else args.tree_depth
+            tokens = args.tree_tokens
+            if tokens == "auto":
+                tokens = speculative.auto_tree_tokens(model, drafts[HEAD_OF[method]], probe_ids,
+                                                      tree_top_k=args.tree_top_k, tree_depth=depth, temperature=T)
+            shapes[method, T] = None if tokens is None else dict(tree_top_k=args.tree_top_k, tree_depth=depth,
+                                                                 tree_tokens=tokens)
+    return shapes
+
+
+def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probe_ids) -> tuple:
+    """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per round or None)},
+    and the tree shapes (tree_shapes). All methods share the target and the drafts and their
+    caches, allocated here once for the largest tree, before anything is compiled."""
+    device = args.device
+    shapes = tree_shapes(args, model, drafts, probe_ids)
+    specs = {key: speculative.Speculator(model, drafts[HEAD_OF[key[0]]], stop_ids=stop_ids, temperature=key[1],
+                                         **shape)
+             for key, shape in shapes.items() if shape is not None}
+    room = context + 2 * (max([s.depth for s in specs.values()], default=0) + 1)  # the last round's overshoot
+    model.setup_caches(1, room + max([s.n_nodes for s in specs.values()], default=0))
+    for head, draft in drafts.items():
+        regions = [s.draft_region() for (m, _), s in specs.items() if HEAD_OF[m] == head]
+        draft.setup_caches(1, room + max(regions, default=0))
     if args.compile:
         allow_many_graphs()
         gen.compile_decoding(device, args.compile_prefill)
@@ -273,18 +300,12 @@ def build_decoders(args, model: Transformer, draft, stop_ids, context: int, prob
 
     decoders = {}
     for T in args.temperatures:
-        sampling = dict(temperature=T, top_k=None, top_p=None)
         for method in args.methods:
-            if method == "vanilla" or (method == "eagle2" and tree_sizes[T] is None):
-                decoders[method, T] = vanilla(sampling)
-            elif method == "eagle2":
-                decoders[method, T] = speculative_decoder(speculative.Speculator(
-                    model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=tree_sizes[T],
-                    stop_ids=stop_ids, **sampling))
-            else:
-                decoders[method, T] = speculative_decoder(speculative.Speculator(model, draft, static=statics[method],
-                                                                 stop_ids=stop_ids, **sampling))
-    return decoders, tree_sizes
+            if (method, T) in specs:
+                decoders[method, T] = speculative_decoder(specs[method, T])
+            else:  # vanilla, or a method for which --tree_tokens auto chose vanilla decoding
+                decoders[method, T] = vanilla(dict(temperature=T, top_k=None, top_p=None))
+    return decoders, shapes
 
 
 def build_peers(args, model: Transformer, stop_ids) -> dict:
@@ -363,9 +384,11 @@ def run_mt_bench(args, argv=None) -> dict:
     args.attention = set_attention_backend(args.attention, device)
     model = load_model(args.checkpoint_path, device, dtype)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
-    draft = None
-    if len(args.methods) > 1:
-        draft = load_draft(args.draft_checkpoint_path, model.config, device, dtype)
+    paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
+    drafts = {head: load_draft(paths[head], model.config, device, dtype)
+              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:])}
+    for method in args.methods[1:]:
+        gen.check_head("eagle3" if method == "eagle3" else "eagle2", drafts[HEAD_OF[method]], paths[HEAD_OF[method]])
     questions = load_questions(args.question_file, args.num_questions)
 
     def conversation(q, turn, answers):  # the user turns up to `turn`, each followed by its answer
@@ -382,7 +405,7 @@ def run_mt_bench(args, argv=None) -> dict:
     most_turns = max(len(q["turns"]) for q in questions)
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
     probe_ids = conversation(questions[0], 0, [])
-    decoders, tree_sizes = build_decoders(args, model, draft, tokenizer.stop_ids, context, probe_ids)
+    decoders, shapes = build_decoders(args, model, drafts, tokenizer.stop_ids, context, probe_ids)
     if args.peers:  # after the draft is loaded (the peers need none); run after ours, vanilla first
         decoders.update(build_peers(args, model, tokenizer.stop_ids))
         args.methods = [*args.methods, *PEERS]
@@ -436,28 +459,29 @@ def run_mt_bench(args, argv=None) -> dict:
     records = summarize(answers, {k: fields[k] for k in ("hardware", "model", "dtype", "compiled", "date", "command")},
                         peaks)
     for r in records:
-        r["tree_tokens"] = tree_tokens_of(r["method"], r["temperature"], args, tree_sizes)
-    return dict(fields, mode="mt_bench", draft=str(args.draft_checkpoint_path) if draft is not None else None,
+        shape = shapes.get((r["method"], r["temperature"]))
+        r["tree_tokens"] = None if shape is None else shape["static"].parents.numel() if "static" in shape \
+            else shape["tree_tokens"]
+    return dict(fields, mode="mt_bench", drafts={head: str(paths[head]) for head in drafts},
                 question_file=str(args.question_file), questions=len(questions), max_new_tokens=args.max_new_tokens,
-                context=context, seed=args.seed, methods=method_notes(args, tree_sizes),
+                context=context, seed=args.seed, methods=method_notes(args, shapes),
                 peak_memory_note="GPU: peak allocated per method; CPU: the whole process's peak RSS, shared by all methods",
                 records=records, answers=answers)
 
 
-def tree_tokens_of(method, T, args, tree_sizes):
-    if method in PEERS:
-        return None
-    return {"vanilla": None, "chain": args.chain_depth + 1, "eagle": 26, "eagle2": tree_sizes.get(T)}[method]
-
-
-def method_notes(args, tree_sizes) -> dict:
+def method_notes(args, shapes) -> dict:
     notes = {"vanilla": "one target forward per token",
-             "chain": f"static chain of {args.chain_depth} guesses (EAGLE draft, no tree)",
+             "chain": f"static chain of {args.chain_depth} guesses (EAGLE-1/2 head, no tree)",
              "eagle": "EAGLE-1 static tree mc_sim_7b_63: 26 nodes, depth 5",
-             "eagle2": f"EAGLE-2 dynamic tree: top_k {args.tree_top_k}, depth {args.tree_depth}, tokens {args.tree_tokens}"}
-    if args.tree_tokens == "auto":
-        chosen = ", ".join(f"T={T:g}: {n if n else 'vanilla decoding'}" for T, n in tree_sizes.items())
-        notes["eagle2"] += f" (chose {chosen})"
+             "eagle2": f"EAGLE-2 dynamic tree (EAGLE-1/2 head): top_k {args.tree_top_k}, depth {args.tree_depth}, "
+                       f"tokens {args.tree_tokens}",
+             "eagle3": f"EAGLE-3 head, dynamic tree: top_k {args.tree_top_k}, depth {args.tree_depth3}, "
+                       f"tokens {args.tree_tokens}"}
+    for method in ("eagle2", "eagle3"):
+        chosen = {T: shape for (m, T), shape in shapes.items() if m == method}
+        if args.tree_tokens == "auto" and chosen:
+            notes[method] += " (chose " + ", ".join(
+                f"T={T:g}: {shape['tree_tokens'] if shape else 'vanilla decoding'}" for T, shape in chosen.items()) + ")"
     if args.peers:
         import transformers
 
@@ -479,7 +503,7 @@ def mt_bench_markdown(report: dict) -> str:
              f"- date: {report['date']}", f"- command: `{report['command']}`",
              f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
              f"attention: {report['attention']}, torch {report['torch']}",
-             f"- draft: {report['draft']}",
+             f"- heads: {', '.join(f'{k}: {v}' for k, v in report['drafts'].items()) or 'none'}",
              f"- {report['questions']} questions (both turns) from {Path(report['question_file']).name}, "
              f"up to {report['max_new_tokens']} new tokens per answer",
              *[f"- {m}: {note}" for m, note in report["methods"].items()],

@@ -12,7 +12,7 @@ import torch
 import generate as gen
 import speculative
 from checkpoint import save_draft
-from conftest import ROOT, mirrored_pair
+from conftest import ROOT, mirrored_pair, random_eagle3_draft
 from convert_hf_checkpoint import convert_hf
 
 spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts/benchmark.py")
@@ -29,8 +29,8 @@ QUESTIONS = [
 @pytest.fixture
 def tiny_checkpoint(tiny_hf_checkpoint, tmp_path):
     """A converted tiny checkpoint with a ChatML tokenizer whose model is mirrored_pair()'s target,
-    its draft in eagle/ (so guesses get accepted and rounds emit several tokens), and a question
-    file in MT-bench format."""
+    its draft in eagle/ (so guesses get accepted and rounds emit several tokens), a random EAGLE-3
+    head in eagle3/, and a question file in MT-bench format."""
     folder = tiny_hf_checkpoint("qwen2")
     checkpoint = convert_hf(folder)
     target, draft = mirrored_pair()
@@ -39,6 +39,7 @@ def tiny_checkpoint(tiny_hf_checkpoint, tmp_path):
     (folder / "model_config.json").write_text(json.dumps(config))
     torch.save(target.state_dict(), checkpoint)
     save_draft(draft, folder / "eagle")
+    save_draft(random_eagle3_draft(target), folder / "eagle3")
     questions = tmp_path / "question.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return checkpoint, questions
@@ -68,8 +69,8 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
             assert r["equal_to_vanilla"] == 1.0  # lossless: every answer equals vanilla's
         else:
             assert r["equal_to_vanilla"] is None
-    # every answer: 2 questions x 2 turns x 4 methods x 2 temperatures
-    assert len(saved["answers"]) == 32
+    # every answer: 2 questions x 2 turns x 5 methods x 2 temperatures
+    assert len(saved["answers"]) == 40
     assert {r["category"] for r in records} == {"overall", "writing", "coding"}
     # the mirrored draft is mostly right: rounds emit several tokens; vanilla's tau is 1 by definition
     assert overall["vanilla", 0.0]["mean_accepted"] == 1.0
@@ -77,6 +78,7 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
         r = overall[method, 0.0]
         assert r["mean_accepted"] > 2 and r["rounds"] < r["tokens"]
     assert overall["eagle2", 0.0]["tree_tokens"] == 12 and overall["eagle", 0.0]["tree_tokens"] == 26
+    assert overall["eagle3", 0.0]["tree_tokens"] == 12 and "depth 8" in saved["methods"]["eagle3"]
     markdown = out.with_suffix(".md").read_text()
     assert "| eagle2 | 0 |" in markdown and "| coding | 1 |" in markdown and saved["command"] in markdown
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -115,7 +117,7 @@ def test_random_weights_mode(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--methods", "eagle2"], "need an EAGLE draft"),
+    (["--methods", "eagle2"], "need an EAGLE-1/2 head"),
     (["--random_weights"], "--random_weights needs --model_name"),
     (["--random_weights", "--model_name", "no-such-model"], "unknown model name"),
     (["--tree_tokens", "many"], "expected a number of tree nodes or 'auto'"),
@@ -311,4 +313,4 @@ def test_vanilla_decoder_uses_the_compiled_step(monkeypatch):
 def test_generate_cli_rejects_auto_for_the_static_tree(capsys):
     with pytest.raises(SystemExit):
         gen.parse_args(["--speculate", "eagle", "--tree_tokens", "auto", "--draft_checkpoint_path", str(ROOT)])
-    assert "--tree_tokens auto sizes the dynamic tree of --speculate eagle2" in capsys.readouterr().err
+    assert "--tree_tokens auto sizes the dynamic trees of eagle2 and eagle3" in capsys.readouterr().err
