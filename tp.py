@@ -23,18 +23,19 @@ post-norm state, or EAGLE-3's layer inputs) need no gather. The LM head stays wh
 rank needs the full logits anyway, for sampling, acceptance and the EAGLE-1/2 draft's guesses at
 each tree level; sharding it by vocabulary would add an all-gather of logits to each of those
 places. What replication costs is a vocab x dim matrix per rank (LLaMA-2-70B: 0.5 GB in bf16, 3 %
-of a rank's reads per step at N = 8; LLaMA-3-70B's 128k vocabulary: 2.1 GB, 12 %; see
+of a rank's reads per step at N = 8; LLaMA-3-70B's 128k vocabulary: 2.1 GB, 11 %; see
 benchmarks/README.md).
 
 Why the ranks cannot diverge, so that each decides alone, without talking to the others beyond the
 target's all-reduces: they start from the same inputs (the same command, checked by
 check_same_command; the same prompt); an all-reduce leaves the bit-identical sum on every rank
-(it is reduced once and the result copied to all); the replicated computations after it run the same
-kernels on the same shapes, hence give the same bits (same GPU model, same thread count per
-process: torchrun sets OMP_NUM_THREADS=1 for every rank; inductor's kernel autotuning, which picks
-kernels by timing them, is kept off under tensor parallelism so that two ranks cannot pick two
-differently-rounding kernels); sampling draws from the same random stream (the same seed and the
-same sequence of draws on every rank). Then every rank grows the same tree, deterministically,
+(with two ranks a + b = b + a; with more, NCCL's and gloo's ring and tree algorithms reduce each
+element once and copy the result to all); the replicated computations after it run the same kernels
+on the same shapes, hence give the same bits (same GPU model; on a CPU the same thread count, from
+the same environment: torchrun sets OMP_NUM_THREADS=1 for every rank; inductor's kernel
+autotuning, which picks kernels by timing them, is kept off under tensor parallelism so that two
+ranks cannot pick two differently-rounding kernels); sampling draws from the same random stream
+(the same seed and the same sequence of draws on every rank). Then every rank grows the same tree, deterministically,
 takes the same acceptance decision, stops after the same round, and issues the same sequence of
 all-reduces. The one decision made from timings, --tree_tokens auto, is taken on rank 0 and
 broadcast (from_rank0). generate.py checks at the end that all ranks produced the same tokens.
