@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 import quantize
+import tp
 from draft import Eagle3Draft, EagleDraft, eagle3_layer_ids
 from model import ModelArgs, Transformer
 
@@ -52,10 +53,11 @@ def read_json(path) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Targets
 # ---------------------------------------------------------------------------------------------
-def load_model(checkpoint_path, device, dtype) -> Transformer:
+def load_model(checkpoint_path, device, dtype, shard: Optional[tp.Shard] = None) -> Transformer:
     """model.pth as written by convert_hf_checkpoint.py, or model_int8.pth / model_int4.gNN.pth
     written by quantize.py (the mode is in the name); config from model_config.json beside it
-    or from the folder's name. dtype None keeps the file's float dtype."""
+    or from the folder's name. dtype None keeps the file's float dtype. shard: tensor parallelism,
+    this rank's part only (tp.py), read from the same file by every rank."""
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
         raise FileNotFoundError(
@@ -68,6 +70,9 @@ def load_model(checkpoint_path, device, dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(config)
     state_dict = read_state_dict(checkpoint_path)
+    if shard is not None:  # slices of the memory-mapped file, and layers of this rank's shapes
+        state_dict = tp.shard_state_dict(state_dict, config, shard)
+        tp.shard_model(model, shard)
     quantize.prepare_for_loading(model, state_dict, checkpoint_path)  # int8/int4 layers, when the file has them
     tied = config.tie_embeddings and "output.weight" not in state_dict  # a quantized head is its own copy
     if tied and "tok_embeddings.weight" in state_dict:

@@ -6,6 +6,11 @@
 The decode step is one compiled graph (CUDA graphs on GPU). The next token never leaves the
 device: the host looks at generated tokens only to stream them or, every few steps, to stop at
 an end-of-turn token.
+
+Tensor parallelism (tp.py): the same command under torchrun shards the target over the ranks;
+rank 0 prints and writes the JSON report.
+
+    python -m torch.distributed.run --nproc_per_node 2 generate.py --checkpoint_path ... --speculate eagle2
 """
 import argparse
 import json
@@ -18,6 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
 from model import Transformer, set_attention_backend
@@ -113,7 +119,16 @@ def compile_decoding(device: str, compile_prefill: bool):
     decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
     if compile_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
-    torch._inductor.config.coordinate_descent_tuning = device.startswith("cuda")
+    set_inductor_flags(device)
+
+
+def set_inductor_flags(device: str):
+    """Kernel autotuning on CUDA and the FX graph cache. Under tensor parallelism inductor may not
+    choose kernels by timing them: two ranks could choose two that round differently, and diverge."""
+    tensor_parallel = tp.active()
+    torch._inductor.config.coordinate_descent_tuning = device.startswith("cuda") and not tensor_parallel
+    if hasattr(torch._inductor.config, "deterministic"):  # newer torch: also no timing among a kernel's configs
+        torch._inductor.config.deterministic = tensor_parallel
     torch._inductor.config.fx_graph_cache = True
 
 
@@ -166,6 +181,9 @@ def parse_args(argv=None):
     g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
                    help="tree attention: triton = the fused kernel of tree_attention.py (CUDA only), sdpa = SDPA "
                         "with dense masks; auto: triton on CUDA when triton is installed, else sdpa")
+    p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
+                   help="tensor parallelism (under torchrun): seconds a rank waits for the others, to join and "
+                        "at each collective, before it gives up with an error")
     args = p.parse_args(argv)
 
     errors = []
@@ -179,6 +197,11 @@ def parse_args(argv=None):
         errors.append(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if args.num_samples < 1:
         errors.append(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.interactive and tp.launched_by_torchrun():
+        errors.append("--interactive reads the terminal in one process; under torchrun (tensor parallelism) pass "
+                      "--prompt or --prompt_file")
+    if args.tp_timeout <= 0:
+        errors.append(f"--tp_timeout must be > 0 seconds, got {args.tp_timeout}")
     if args.prompt is not None and args.prompt_file is not None:
         errors.append("give --prompt or --prompt_file, not both")
     if args.prompt_file is not None and not args.prompt_file.is_file():
@@ -262,8 +285,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_
                       tree_tokens=args.tree_tokens, stop_ids=stop_ids, **sampling)
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))  # + room for the last round's overshoot
     if args.compile:
-        torch._inductor.config.coordinate_descent_tuning = args.device.startswith("cuda")
-        torch._inductor.config.fx_graph_cache = True
+        set_inductor_flags(args.device)
         compile_round(spec, args.compile_prefill)
 
     def decode(prompt_ids, max_new_tokens, callback=None):
@@ -277,17 +299,23 @@ def main(argv=None):
     args = parse_args(argv)
     from tokenizer import load_tokenizer
 
-    torch.manual_seed(args.seed)
-    device, dtype = args.device, getattr(torch, args.dtype)
+    try:  # under torchrun: this rank's part of the target, and its device (tp.py)
+        shard, device = tp.start(args.device, args.tp_timeout, vars(args))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    torch.manual_seed(args.seed)  # every rank draws the same random stream
+    args.device, dtype = device, getattr(torch, args.dtype)
     t0 = time.perf_counter()
     try:
         args.attention = set_attention_backend(args.attention, device)
-        model = load_model(args.checkpoint_path, device, dtype)
+        model = load_model(args.checkpoint_path, device, dtype, shard)
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     device_sync(device)
-    print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s ({device}, {args.dtype})", file=sys.stderr)
+    print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s ({device}, {args.dtype})"
+          + (f", tensor parallel over {shard.world_size} ranks: {tp.weight_bytes(model) / 1e9:.3f} GB of weights each"
+             if shard else ""), file=sys.stderr)
 
     if args.interactive:
         context = min(model.config.block_size, 4096)
@@ -333,12 +361,17 @@ def main(argv=None):
             line += f", {bytes_per_token * tok_s / 1e9:.2f} GB/s"
         print(line, file=sys.stderr)
 
+    try:
+        tp.check_same_on_all_ranks("tokens", [s["token_ids"] for s in samples])
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     mean_tok_s = sum(s["tokens_per_s"] for s in samples) / len(samples)
     report = {"checkpoint": str(args.checkpoint_path), "prompt_ids": prompt_ids, "samples": samples,
               "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else device,
               "dtype": args.dtype, "compiled": args.compile, "speculate": args.speculate, "attention": args.attention,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-              "tokens_per_s": mean_tok_s}
+              "tokens_per_s": mean_tok_s, "tensor_parallel": shard.world_size if shard else 1,
+              "weight_bytes_per_rank": tp.weight_bytes(model)}
     print(f"Average tokens/s: {mean_tok_s:.2f}", file=sys.stderr)
     if per_round:
         # tau: tokens per target forward (each round is one verify forward), bonus token included
@@ -349,11 +382,13 @@ def main(argv=None):
     else:
         report["bandwidth_gb_s"] = bytes_per_token * mean_tok_s / 1e9
         print(f"Bandwidth achieved: {report['bandwidth_gb_s']:.2f} GB/s "
-              f"(model weights read per token: {bytes_per_token / 1e9:.3f} GB)", file=sys.stderr)
+              f"(model weights read per token: {bytes_per_token / 1e9:.3f} GB"
+              f"{', per rank' if shard else ''})", file=sys.stderr)
     print(f"Memory used: {peak_memory_gb(device):.2f} GB", file=sys.stderr)
-    if args.output_json:
+    if args.output_json and (shard is None or shard.rank == 0):
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(report, indent=1))
+    tp.finish()
 
 
 def _strip_stop(ids, stop_ids):

@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -209,8 +209,9 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         c = self.config
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+        for layer in self.layers:  # the layer's own KV heads: a tensor-parallel rank holds some of them (tp.py)
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, layer.attention.n_local_heads,
+                                               c.head_dim, dtype).to(device)
         cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -286,6 +287,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(in_dim or config.dim, qkv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
+        # Tensor parallelism (tp.py) gives this rank a share of the heads (n_head, n_local_heads
+        # above become the local counts) and an all-reduce that sums the ranks' partial outputs.
+        self.tp_reduce: Optional[Callable[[Tensor], Tensor]] = None
 
     def forward(self, x, cos, sin, cache_pos, mask, kv_len=None):
         B, T, _ = x.shape
@@ -298,8 +302,8 @@ class Attention(nn.Module):
         k, v = self.kv_cache.update(cache_pos, k, v)
         if kv_len is not None:  # the slots past it are invisible: do not read them
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-        y = attention(q, k, v, mask)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+        y = self.wo(attention(q, k, v, mask).transpose(1, 2).reshape(B, T, q_size))
+        return y if self.tp_reduce is None else self.tp_reduce(y)
 
 
 # The attention backend, one switch for the process (generate.py sets it from --attention): while
@@ -359,9 +363,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.tp_reduce: Optional[Callable[[Tensor], Tensor]] = None  # tensor parallelism: as in Attention
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return y if self.tp_reduce is None else self.tp_reduce(y)
 
 
 class MoEFeedForward(nn.Module):
@@ -389,6 +395,7 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k = E, config.num_activated_experts
         self.gate = nn.Linear(D, E, bias=False)
         self.w1, self.w3, self.w2 = Experts(E, D, I), Experts(E, D, I), Experts(E, I, D)
+        self.tp_reduce: Optional[Callable[[Tensor], Tensor]] = None  # tensor parallelism: as in Attention
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -398,8 +405,10 @@ class MoEFeedForward(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
         if x.size(0) * self.top_k < self.num_experts:
-            return self.gathered(x, experts, weights).view(shape)
-        return self.dense(x, experts, weights).view(shape)
+            y = self.gathered(x, experts, weights).view(shape)
+        else:
+            y = self.dense(x, experts, weights).view(shape)
+        return y if self.tp_reduce is None else self.tp_reduce(y)
 
     def gathered(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """x [N, D], experts and weights [N, k] -> [N, D], reading each token's k experts."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree
 from model import Transformer, TreeMask
 from sampling import cut_at_stop, logits_to_probs, sample, sample_from
@@ -285,7 +286,10 @@ def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TRE
     compiled, because compiling every size would take minutes; where eager mode is slow to launch
     kernels (a GPU), it overstates what a round costs more than what a step does, which errs
     toward vanilla. On a 2-core CPU the opposite was measured (a compiled round cost 3.1 steps,
-    an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little."""
+    an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little.
+    Under tensor parallelism every rank takes rank 0's timings (tp.from_rank0), so that all stop at
+    the same size and choose the same one: a rank that ran one round more than the others would
+    leave its all-reduces unanswered."""
     device, L = str(prompt.device), prompt.size(1)
     sampling = (temperature, top_k, top_p)
     most = 1 + tree_top_k + (tree_depth - 1) * tree_top_k ** 2
@@ -310,14 +314,14 @@ def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TRE
         token = sample(model(token[:, None], input_pos)[:, -1], *sampling)
         input_pos.add_(1)
 
-    step_s = median_seconds(step)
+    step_s = tp.from_rank0(median_seconds(step))
     rounds = {}
     for T in sorted(T for T in sizes if 2 <= T <= most):
         spec = Speculator(model, draft, tree_top_k=tree_top_k, tree_depth=tree_depth, tree_tokens=T,
                           temperature=temperature, top_k=top_k, top_p=top_p)
         spec.setup(1, L + budget + 2 * (tree_depth + 1))
         spec.prefill(prompt, budget)
-        seconds = median_seconds(spec.round)
+        seconds = tp.from_rank0(median_seconds(spec.round))
         rounds[T] = (seconds, (int(spec.n_out[0]) - 1) / (n_rounds + 1))
         if (tree_depth + 1) * step_s / seconds < AUTO_MIN_SPEEDUP:
             break

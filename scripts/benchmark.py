@@ -30,6 +30,14 @@ directly on the device, no download, and measures (a) compiled vanilla decode to
 weight bandwidth it achieves, next to a device-to-device copy measured in the same run, (b) one
 EAGLE-2 round (random draft, depth --tree_depth) against one vanilla step for each --tree_sizes,
 and (c) the speedup those costs predict for each --tau. Writes OUT.json and OUT.md.
+
+Both modes run tensor-parallel under torchrun (tp.py; rank 0 writes the files, which record
+"tensor_parallel" and the weight bytes each rank holds). With --tp_timing, random-weights mode
+adds (d): the compiled decode step next to the same step without its all-reduces and the
+all-reduces alone, to show what the collectives cost (benchmarks/README.md has the commands):
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 scripts/benchmark.py \
+        --random_weights --model_name SmolLM2-1.7B --tp_timing --compile
 """
 import argparse
 import json
@@ -49,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
+import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from draft import EagleDraft, draft_config_for, dynamic_tree_slots  # noqa: E402
 from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
@@ -102,6 +111,10 @@ def parse_args(argv=None):
                    help="mean accepted tokens per round to predict the speedup for")
     r.add_argument("--steps", type=int, default=None, help="timed decode steps and rounds (default: 100 GPU, 10 CPU)")
     r.add_argument("--prompt_length", type=int, default=128)
+    r.add_argument("--tp_timing", action="store_true",
+                   help="under torchrun: also time the decode step without its all-reduces, and the all-reduces alone")
+    p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
+                   help="under torchrun: seconds a rank waits for the others before it gives up")
     args = p.parse_args(argv)
 
     errors = []
@@ -117,6 +130,9 @@ def parse_args(argv=None):
         errors.append(f"--chain_depth must be >= 1, got {args.chain_depth}")
     if any(t < 0 for t in args.temperatures):
         errors.append(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}")
+    if args.tp_timing and not (args.random_weights and tp.launched_by_torchrun()):
+        errors.append("--tp_timing times a tensor-parallel step of --random_weights: run it under "
+                      "python -m torch.distributed.run (--nproc_per_node 1 for the one-rank reference)")
     if args.random_weights:
         if args.model_name is None:
             errors.append("--random_weights needs --model_name (a config name of model.py, e.g. llama-2-7b)")
@@ -202,6 +218,7 @@ def allow_many_graphs():
 def header(args, argv) -> dict:
     return {"hardware": hardware_name(args.device), "device": args.device, "dtype": args.dtype,
             "compiled": args.compile, "attention": args.attention, "torch": torch.__version__,
+            "tensor_parallel": args.shard.world_size if args.shard else 1,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
 
@@ -382,7 +399,7 @@ def run_mt_bench(args, argv=None) -> dict:
 
     device, dtype = args.device, getattr(torch, args.dtype)
     args.attention = set_attention_backend(args.attention, device)
-    model = load_model(args.checkpoint_path, device, dtype)
+    model = load_model(args.checkpoint_path, device, dtype, args.shard)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     drafts = {head: load_draft(paths[head], model.config, device, dtype)
@@ -462,7 +479,8 @@ def run_mt_bench(args, argv=None) -> dict:
         shape = shapes.get((r["method"], r["temperature"]))
         r["tree_tokens"] = None if shape is None else shape["static"].parents.numel() if "static" in shape \
             else shape["tree_tokens"]
-    return dict(fields, mode="mt_bench", drafts={head: str(paths[head]) for head in drafts},
+    return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model),
+                drafts={head: str(paths[head]) for head in drafts},
                 question_file=str(args.question_file), questions=len(questions), max_new_tokens=args.max_new_tokens,
                 context=context, seed=args.seed, methods=method_notes(args, shapes),
                 peak_memory_note="GPU: peak allocated per method; CPU: the whole process's peak RSS, shared by all methods",
@@ -557,10 +575,14 @@ def mt_bench_plot(report: dict, path: Path):
 # ---------------------------------------------------------------------------------------------
 # Random weights: roofline and round cost of a real-shaped model, no checkpoint needed
 # ---------------------------------------------------------------------------------------------
-def random_model(config: ModelArgs, device: str, dtype: torch.dtype) -> Transformer:
-    """Allocated once, directly on the device in its dtype (a 7B model never exists in float32)."""
+def random_model(config: ModelArgs, device: str, dtype: torch.dtype, shard=None) -> Transformer:
+    """Allocated once, directly on the device in its dtype (a 7B model never exists in float32);
+    with a tp.Shard, only this rank's part. Every rank draws the same random numbers for the
+    replicated weights (same seed, same shapes in the same order)."""
     with torch.device("meta"):
         model = Transformer(config)
+    if shard is not None:
+        tp.shard_model(model, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_embeddings:  # to_empty made two tensors of the shared one
         model.output.weight = model.tok_embeddings.weight
@@ -605,7 +627,7 @@ def run_random_weights(args, argv=None) -> dict:
     args.attention = set_attention_backend(args.attention, device)
     config = ModelArgs.from_name(args.model_name)
     torch.manual_seed(args.seed)
-    model = random_model(config, device, dtype)
+    model = random_model(config, device, dtype, args.shard)
     draft = EagleDraft(draft_config_for(config)).to(device=device, dtype=dtype).eval()
     warmup, P, depth = 3, args.prompt_length, args.tree_depth
     sizes = sorted(args.tree_sizes)
@@ -638,6 +660,7 @@ def run_random_weights(args, argv=None) -> dict:
 
     step_s = seconds_per_call(step, args.steps, device, warmup)
     decode_gb_s = weight_bytes / step_s / 1e9
+    timing = tp_step_timing(model, step, step_s, args) if args.tp_timing else None
 
     # (b) one EAGLE-2 round per tree size: draft catch-up and growth, verify, accept, compaction
     rounds = []
@@ -657,6 +680,7 @@ def run_random_weights(args, argv=None) -> dict:
     copy_buffers = 2 * copy_bytes
     return dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
                 weights="random", parameters=sum(p.numel() for p in model.parameters()),
+                weight_bytes_per_rank=tp.weight_bytes(model), tp_timing=timing,
                 weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
                 tree_top_k=args.tree_top_k, tree_depth=depth,
                 memory_needed_gb=(param_bytes + kv_bytes + draft_bytes + copy_buffers) / 1e9,
@@ -665,6 +689,36 @@ def run_random_weights(args, argv=None) -> dict:
                 vanilla=dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=decode_gb_s,
                              fraction_of_copy=decode_gb_s / copy_gb_s),
                 rounds=rounds, predicted=predicted)
+
+
+def tp_step_timing(model: Transformer, step, step_s: float, args) -> dict:
+    """(d) of --tp_timing: a tensor-parallel decode step (step_s, measured) against the same step
+    with its all-reduces removed (each rank computes its own shard and nothing else: the tokens
+    are wrong, the work is the same) and against the all-reduces alone, 2 per layer of [1, 1, dim]
+    each, chained as in the model (each added to the residual stream before the next). If the
+    step costs its shard's compute plus its collectives, step = without + all-reduces."""
+    sharded = [m for m in model.modules() if getattr(m, "tp_reduce", None) is not None]
+    for m in sharded:
+        m.tp_reduce = None
+    local_s = seconds_per_call(step, args.steps, args.device, 3)
+    for m in sharded:
+        m.tp_reduce = tp.all_reduce_sum
+    x = torch.zeros(1, 1, model.config.dim, dtype=model.norm.weight.dtype, device=args.device)
+
+    def all_reduces():
+        y = x
+        for _ in sharded:
+            y = y + tp.all_reduce_sum(y)
+        return y
+
+    if args.compile:
+        all_reduces = torch.compile(all_reduces, mode="reduce-overhead", fullgraph=True)
+    reduce_s = seconds_per_call(all_reduces, args.steps, args.device, 3)
+    print(f"tensor parallel over {args.shard.world_size}: step {step_s * 1e3:.2f} ms, without all-reduces "
+          f"{local_s * 1e3:.2f} ms, {len(sharded)} all-reduces alone {reduce_s * 1e3:.2f} ms", file=sys.stderr)
+    return dict(step_ms=step_s * 1e3, step_without_all_reduces_ms=local_s * 1e3, all_reduces_ms=reduce_s * 1e3,
+                overhead_ms=(step_s - local_s) * 1e3, all_reduces_per_step=len(sharded),
+                all_reduce_bytes=x.numel() * x.element_size())
 
 
 def random_weights_markdown(report: dict) -> str:
@@ -691,16 +745,32 @@ def random_weights_markdown(report: dict) -> str:
              "|---|" + "---|" * len(report["rounds"])]
     for tau in dict.fromkeys(p["tau"] for p in report["predicted"]):
         lines.append(f"| {tau:g} | " + " | ".join(f"{p['speedup']:.2f}×" for p in report["predicted"] if p["tau"] == tau) + " |")
+    t = report["tp_timing"]
+    if t is not None:
+        lines += ["", f"## (d) where a tensor-parallel step's time goes ({report['tensor_parallel']} ranks, "
+                      f"{report['weight_bytes_per_rank'] / 1e9:.3f} GB of weights per rank)", "",
+                  "| step (ms) | without all-reduces (ms) | overhead (ms) | all-reduces alone (ms) | all-reduces per step |",
+                  "|---|---|---|---|---|",
+                  f"| {t['step_ms']:.2f} | {t['step_without_all_reduces_ms']:.2f} | {t['overhead_ms']:.2f} | "
+                  f"{t['all_reduces_ms']:.2f} | {t['all_reduces_per_step']} of {t['all_reduce_bytes']} bytes |"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     args = parse_args(argv)
+    try:  # under torchrun: this rank's part of the target, and its device (tp.py)
+        shard, device = tp.start(args.device, args.tp_timeout, vars(args))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    args.shard, args.device = shard, device
     torch.manual_seed(args.seed)
     try:
         report = run_random_weights(args, argv) if args.random_weights else run_mt_bench(args, argv)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    tp.finish()
+    if shard is not None and shard.rank > 0:
+        return report  # rank 0 writes the files
     out = str(args.out)  # not with_suffix: "random-llama-3.1-8b" has a dot of its own
     write_json(Path(out + ".json"), report)
     if args.random_weights:

@@ -7,6 +7,9 @@ SmolLM2-135M-Instruct GGUF file when it is on disk.
 """
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,6 +239,15 @@ def tiny_target(name: str = "tiny-llama", seed: int = 0, **overrides):
     return model
 
 
+def save_checkpoint(model, folder):
+    """model.pth and model_config.json as convert_hf_checkpoint.py writes them (a tied head is not stored)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "output.weight")}
+    torch.save(state, folder / "model.pth")
+    (folder / "model_config.json").write_text(json.dumps({"model": model.config.to_dict()}))
+    return folder / "model.pth"
+
+
 def random_draft(target, seed: int = 1, fc_bias: bool = True, std: float = None):
     """A random EAGLE draft for target. std: redraw every matrix from N(0, std^2); the default init
     gives attention so little weight that a wrong mask or position barely moves the output."""
@@ -330,3 +342,22 @@ def eagle3_pair(seed: int = 0, vocab_size: int = 512, sharpness: float = 3.0, mi
         draft.lm_head.weight.copy_(sharpness * e[(vocab - 1) % vocab_size])
         draft.vocab.copy_(vocab)
     return target, draft
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes (tensor parallelism)
+# ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port nobody listens on, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(n: int, script: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """python -m torch.distributed.run --nproc_per_node n ROOT/script args..., one thread per rank
+    (as torchrun sets it for several ranks); output captured."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+               "--master_port", str(free_port()), str(ROOT / script), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))

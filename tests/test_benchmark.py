@@ -12,7 +12,7 @@ import torch
 import generate as gen
 import speculative
 from checkpoint import save_draft
-from conftest import ROOT, mirrored_pair, random_eagle3_draft
+from conftest import ROOT, mirrored_pair, random_eagle3_draft, torchrun
 from convert_hf_checkpoint import convert_hf
 
 spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts/benchmark.py")
@@ -116,7 +116,25 @@ def test_random_weights_mode(tmp_path):
     assert "## (c) predicted speedup" in out.with_suffix(".md").read_text()
 
 
+def test_random_weights_tensor_parallel_timing_runs(tmp_path):
+    """--tp_timing under torchrun, two ranks: rank 0 writes the report, which records the tensor
+    parallelism, each rank's weights and the step's breakdown (the code path only; the times
+    themselves are for a quiet machine, benchmarks/README.md)."""
+    out = tmp_path / "tp"
+    result = torchrun(2, "scripts/benchmark.py", "--random_weights", "--model_name", "tiny-llama", "--device", "cpu",
+                      "--steps", 2, "--prompt_length", 8, "--tree_sizes", 6, "--tree_top_k", 2, "--tree_depth", 2,
+                      "--tp_timing", "--out", out)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["tensor_parallel"] == 2 and 0 < report["weight_bytes_per_rank"]
+    t = report["tp_timing"]
+    assert t["all_reduces_per_step"] == 4 and t["all_reduce_bytes"] == 64 * 4  # 2 per layer, dim float32 values
+    assert {"step_ms", "step_without_all_reduces_ms", "all_reduces_ms", "overhead_ms"} <= set(t)
+    assert "## (d) where a tensor-parallel step's time goes (2 ranks" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--random_weights", "--model_name", "tiny-llama", "--tp_timing"], "--tp_timing times a tensor-parallel step"),
     (["--methods", "eagle2"], "need an EAGLE-1/2 head"),
     (["--random_weights"], "--random_weights needs --model_name"),
     (["--random_weights", "--model_name", "no-such-model"], "unknown model name"),

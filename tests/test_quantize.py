@@ -15,7 +15,7 @@ import checkpoint
 import generate as gen
 import speculative
 from checkpoint import load_draft, save_draft
-from conftest import mirrored_pair, random_draft, tiny_target
+from conftest import mirrored_pair, random_draft, save_checkpoint, tiny_target
 from quantize import (WeightOnlyInt4Linear, WeightOnlyInt8Linear, dequantize_int4, dequantize_int8, int4_kernel,
                       main, pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_nibbles)
 
@@ -26,15 +26,6 @@ def quantized(model, mode, groupsize=32):
     """model quantized in memory and packed as load_model does on CPU in float32."""
     quantize_model(model, mode, groupsize)
     return pack_int4(model.float())
-
-
-def save_checkpoint(model, folder):
-    """model.pth and model_config.json as convert_hf_checkpoint.py writes them (a tied head is not stored)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "output.weight")}
-    torch.save(state, folder / "model.pth")
-    (folder / "model_config.json").write_text(json.dumps({"model": model.config.to_dict()}))
-    return folder / "model.pth"
 
 
 def prompts(count, vocab=512, seed=0):
