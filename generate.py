@@ -164,6 +164,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--output_json", type=Path, default=None, help="write prompt, outputs and speed here")
+    p.add_argument("--compare", action="store_true",
+                   help="answer the prompt twice, plain and with --speculate (streamed), and print both speeds, "
+                        "the speedup, tau and whether the answers are identical")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculate", choices=["none", *SPECULATE], default="none",
                    help="eagle: EAGLE-1 head, static tree; eagle2: EAGLE-1/2 head, dynamic tree; eagle3: EAGLE-3 "
@@ -200,6 +203,9 @@ def parse_args(argv=None):
     if args.interactive and tp.launched_by_torchrun():
         errors.append("--interactive reads the terminal in one process; under torchrun (tensor parallelism) pass "
                       "--prompt or --prompt_file")
+    if args.compare and (args.speculate == "none" or args.interactive or args.num_samples != 1):
+        errors.append("--compare puts plain decoding beside --speculate METHOD, for one prompt (not --interactive, "
+                      "not --num_samples)")
     if args.tp_timeout <= 0:
         errors.append(f"--tp_timeout must be > 0 seconds, got {args.tp_timeout}")
     if args.prompt is not None and args.prompt_file is not None:
@@ -332,6 +338,8 @@ def main(argv=None):
         sys.exit(f"error: the prompt has {len(prompt_ids)} tokens; with --max_new_tokens {args.max_new_tokens} "
                  f"that is {needed}, more than the model's context of {model.config.block_size} tokens")
     try:
+        if args.compare:
+            return compare(args, model, tokenizer, prompt_ids, needed)
         decode = make_decoder(args, model, tokenizer.stop_ids, needed, prompt_ids)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -389,6 +397,59 @@ def main(argv=None):
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(report, indent=1))
     tp.finish()
+
+
+def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int) -> dict:
+    """--compare: the prompt answered plainly, then speculatively (streamed), with the same dtype,
+    device and compile setting, each timed as one whole call after its warm-up (with --compile);
+    prints both speeds, their ratio, tau and whether the answers are identical (at temperature 0
+    they must be, in float32: speculation is lossless). Returns the report (--output_json)."""
+    plain = make_decoder(argparse.Namespace(**{**vars(args), "speculate": "none"}), model, tokenizer.stop_ids,
+                         max_seq_length)
+    speculative = make_decoder(args, model, tokenizer.stop_ids, max_seq_length, prompt_ids)
+    method = args.speculate  # "none" when --tree_tokens auto found no tree worth it
+    runs = {}
+    for name, decode in (("plain", plain), ("speculative", speculative)):
+        if args.compile:
+            decode(prompt_ids, args.max_new_tokens)  # compilation and warm-up, not timed
+        streamer = TextStreamer(tokenizer) if name == "speculative" else None
+        if streamer is not None:
+            print("Assistant: " if args.chat else "", end="", flush=True)
+        torch.manual_seed(args.seed)  # the same random stream for both (sampling)
+        device_sync(args.device)
+        t = time.perf_counter()
+        ids, rounds = decode(prompt_ids, args.max_new_tokens,
+                             callback=None if streamer is None else lambda tok: streamer.put(int(tok[0])))
+        device_sync(args.device)
+        seconds = time.perf_counter() - t
+        runs[name] = dict(token_ids=ids, new_tokens=len(ids), seconds=seconds, tokens_per_s=len(ids) / seconds,
+                          mean_accepted=sum(rounds) / len(rounds) if rounds else 1.0)
+    print("\n", file=sys.stderr)
+    setting = f"{args.dtype}, {'compiled' if args.compile else 'eager'}"
+    p, s = runs["plain"], runs["speculative"]
+    shape = ("" if method == "none" else
+             f", {'static tree' if method == 'eagle' else f'{args.tree_tokens}-token trees'}")
+    print(f"plain decoding ({setting}):".ljust(44) + f"{p['new_tokens']:4d} tokens in {p['seconds']:6.2f} s = "
+          f"{p['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
+    print(f"{method} ({setting}{shape}):".ljust(44) + f"{s['new_tokens']:4d} tokens in {s['seconds']:6.2f} s = "
+          f"{s['tokens_per_s']:7.2f} tok/s, tau {s['mean_accepted']:.2f}", file=sys.stderr)
+    speedup = s["tokens_per_s"] / p["tokens_per_s"]
+    identical = p["token_ids"] == s["token_ids"]
+    if args.temperature == 0:
+        verdict = "the two answers are identical" if identical else (
+            "the answers differ" + (" (bfloat16/float16 rounding: a batched verify and a one-token step round "
+                                    "differently, so near-ties can flip; float32 gives identical answers)"
+                                    if args.dtype != "float32" else ": this is a bug, please report it"))
+    else:
+        verdict = "sampled: the answers are drawn from the same distribution, not expected to be equal"
+    print(f"speedup {speedup:.2f}x; {verdict}", file=sys.stderr)
+    report = {"checkpoint": str(args.checkpoint_path), "prompt_ids": prompt_ids, "dtype": args.dtype,
+              "compiled": args.compile, "speculate": method, "temperature": args.temperature,
+              "plain": p, "speculative": s, "speedup": speedup, "identical": identical}
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def _strip_stop(ids, stop_ids):

@@ -361,3 +361,32 @@ def torchrun(n: int, script: str, *args, timeout: int = 300) -> subprocess.Compl
                "--master_port", str(free_port()), str(ROOT / script), *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write about the fox.", "Now shorter."]},
+    {"question_id": 2, "category": "coding", "turns": ["def add(a, b):", "Explain it."]},
+    {"question_id": 3, "category": "writing", "turns": ["Rivers flow to the sea.", "Why?"]},
+]
+
+
+@pytest.fixture
+def tiny_checkpoint(tiny_hf_checkpoint, tmp_path):
+    """A converted tiny checkpoint with a ChatML tokenizer whose model is mirrored_pair()'s target,
+    its draft in eagle/ (so guesses get accepted and rounds emit several tokens), a random EAGLE-3
+    head in eagle3/, and a question file in MT-bench format."""
+    folder = tiny_hf_checkpoint("qwen2")
+    from checkpoint import save_draft
+    from convert_hf_checkpoint import convert_hf
+
+    checkpoint = convert_hf(folder)
+    target, draft = mirrored_pair()
+    config = json.loads((folder / "model_config.json").read_text())
+    config["model"] = target.config.to_dict()
+    (folder / "model_config.json").write_text(json.dumps(config))
+    torch.save(target.state_dict(), checkpoint)
+    save_draft(draft, folder / "eagle")
+    save_draft(random_eagle3_draft(target), folder / "eagle3")
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return checkpoint, questions

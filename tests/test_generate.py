@@ -125,3 +125,20 @@ def test_prompt_longer_than_the_context_is_a_clear_error(smollm2_checkpoint, tmp
     result = run_cli("--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--prompt_file", str(prompt))
     assert result.returncode != 0
     assert "more than the model's context of 8192 tokens" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, capsys):
+    """--compare: both answers, their speeds and ratio, tau, and equality (float32, greedy: identical)."""
+    checkpoint, _ = tiny_checkpoint
+    out = tmp_path / "compare.json"
+    report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
+                       "--speculate", "eagle2", "--tree_tokens", "16", "--compare", "--max_new_tokens", "40",
+                       "--device", "cpu", "--output_json", str(out)])
+    err = capsys.readouterr().err
+    assert report["identical"] and report["plain"]["token_ids"] == report["speculative"]["token_ids"]
+    assert report["speculative"]["mean_accepted"] > 2 and report["plain"]["mean_accepted"] == 1.0
+    assert report["speedup"] == pytest.approx(report["speculative"]["tokens_per_s"] / report["plain"]["tokens_per_s"])
+    assert "the two answers are identical" in err and "tau" in err and "speedup" in err
+    assert json.loads(out.read_text())["speedup"] == report["speedup"]
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--compare"])  # nothing to compare with
