@@ -17,9 +17,9 @@ different lengths (batched speculative decoding).
 
 Weights are laid out as in Hugging Face checkpoints: q/k use the rotate-half RoPE convention.
 """
-import importlib.util
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -310,20 +310,23 @@ _tree_kernel = None
 
 def set_attention_backend(backend: str, device="cuda") -> str:
     """"sdpa": SDPA over dense masks everywhere; "triton": the fused tree kernel for TreeMasks;
-    "auto": triton when device is CUDA and triton imports, else sdpa. Returns the backend chosen."""
+    "auto": triton when device is CUDA and tree_attention imports, else sdpa. Returns the backend chosen."""
     global _tree_kernel
     if backend not in ("auto", "sdpa", "triton"):
         raise ValueError(f"attention backend must be auto, sdpa or triton, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if str(device).startswith("cuda") and importlib.util.find_spec("triton") else "sdpa"
     _tree_kernel = None
-    if backend == "triton":
-        try:
-            import tree_attention
-        except ImportError as e:
-            raise ValueError(f"the triton attention backend needs triton (Linux x86-64 with CUDA): {e}") from None
-        _tree_kernel = tree_attention
-    return backend
+    if backend == "sdpa" or (backend == "auto" and not str(device).startswith("cuda")):
+        return "sdpa"
+    try:
+        import tree_attention
+    except (ImportError, AttributeError) as e:  # AttributeError: a Triton too old for what the kernel uses
+        if backend == "auto":
+            print(f"--attention auto: the triton kernel is unavailable ({type(e).__name__}: {e}); using sdpa",
+                  file=sys.stderr)
+            return "sdpa"
+        raise ValueError(f"the triton attention backend needs triton (Linux x86-64 with CUDA): {e}") from None
+    _tree_kernel = tree_attention
+    return "triton"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
