@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree
-from model import Transformer, TreeMask
+from model import Transformer, TreeMask, copy_slots
 from sampling import cut_at_stop, logits_to_probs, sample, sample_from
 from tree import Tree
 
@@ -200,9 +200,7 @@ class Speculator(nn.Module):
         path = tree.paths[rows, node]  # [B, depth + 1]: root, accepted nodes, then -1
 
         # 5. Copy the accepted nodes' K/V from the tree region to the slots after the prefix.
-        src, dst = region_start + path.clamp(min=0), L[:, None] + steps
-        for layer in target.layers:
-            layer.attention.kv_cache.copy_slots(src, dst)
+        copy_slots(target.kv_storage, region_start + path.clamp(min=0), L[:, None] + steps)  # all layers at once
 
         # 6. New tokens: the accepted guesses then the bonus token; they are also the draft's next
         #    catch-up input, paired with the target's true features at root, node 1, ..., node m.
