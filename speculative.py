@@ -273,7 +273,8 @@ def choose_tree_tokens(step_s: float, rounds: dict, min_speedup: float = AUTO_MI
 
 @torch.no_grad()
 def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TREE_SIZES, *, tree_top_k: int = 10,
-                       tree_depth: int = 6, n_rounds: int = 3, temperature: float = 0.0, top_k=None, top_p=None):
+                       tree_depth: int = 6, n_rounds: int = 3, temperature: float = 0.0, top_k=None, top_p=None,
+                       cuda_graphs: bool = False):
     """Eager timings for choose_tree_tokens on this hardware: (seconds per vanilla decode step,
     {T: (seconds per round, tokens per round)}) for the EAGLE-2 tree sizes in `sizes` that
     tree_top_k and tree_depth allow, smallest first. Each size runs n_rounds + 1 rounds from the
@@ -283,11 +284,16 @@ def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TRE
     compiled, because compiling every size would take minutes; where eager mode is slow to launch
     kernels (a GPU), it overstates what a round costs more than what a step does, which errs
     toward vanilla. On a 2-core CPU the opposite was measured (a compiled round cost 3.1 steps,
-    an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little."""
+    an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little.
+
+    cuda_graphs (for a compiled run on CUDA, where eager mode is launch-bound and would bias the
+    choice toward no tree): time replays of the eager step and of each size's round captured in
+    a CUDA graph (cuda_graph): the kernels eager mode launches, without the launch overhead that
+    a compiled run's CUDA graph removes too, and without compiling every size."""
     device, L = str(prompt.device), prompt.size(1)
     sampling = (temperature, top_k, top_p)
     most = 1 + tree_top_k + (tree_depth - 1) * tree_top_k ** 2
-    budget = (n_rounds + 1) * (tree_depth + 1) + 1  # more than the rounds can emit: no row stops
+    budget = (n_rounds + 2) * (tree_depth + 1) + 1  # more than the rounds (and a warm-up) can emit: no row stops
 
     def median_seconds(fn):
         times = []
@@ -303,34 +309,37 @@ def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TRE
     token = sample(model(prompt, torch.arange(L, device=prompt.device))[:, -1], *sampling)
     input_pos = torch.tensor([L], device=prompt.device)
 
-    def step():  # one vanilla decode step, as generate.decode_one_token
-        nonlocal token
-        token = sample(model(token[:, None], input_pos)[:, -1], *sampling)
+    def step():  # one vanilla decode step, as generate.decode_one_token (in place: a CUDA graph replays it)
+        token.copy_(sample(model(token[:, None], input_pos)[:, -1], *sampling))
         input_pos.add_(1)
 
-    step_s = median_seconds(step)
+    step_s = median_seconds(cuda_graph(step) if cuda_graphs else step)
     rounds = {}
     for T in sorted(T for T in sizes if 2 <= T <= most):
         spec = Speculator(model, draft, tree_top_k=tree_top_k, tree_depth=tree_depth, tree_tokens=T,
                           temperature=temperature, top_k=top_k, top_p=top_p)
         spec.setup(1, L + budget + 2 * (tree_depth + 1))
         spec.prefill(prompt, budget)
-        seconds = median_seconds(spec.round)
-        rounds[T] = (seconds, (int(spec.n_out[0]) - 1) / (n_rounds + 1))
+        round_fn = cuda_graph(spec.round) if cuda_graphs else spec.round
+        emitted = int(spec.n_out[0])  # (cuda_graph ran a warm-up round)
+        seconds = median_seconds(round_fn)
+        rounds[T] = (seconds, (int(spec.n_out[0]) - emitted) / (n_rounds + 1))
         if (tree_depth + 1) * step_s / seconds < AUTO_MIN_SPEEDUP:
             break
     return step_s, rounds
 
 
 def auto_tree_tokens(model: Transformer, draft, prompt_ids, *, tree_top_k: int = 10, tree_depth: int = 6,
-                     **sampling) -> Optional[int]:
+                     cuda_graphs: bool = False, **sampling) -> Optional[int]:
     """--tree_tokens auto: measure (a few seconds), choose, and say what was chosen and why.
-    Returns the tree size, or None for vanilla decoding."""
+    Returns the tree size, or None for vanilla decoding. cuda_graphs: as measure_tree_costs, for
+    a compiled run on CUDA."""
     if not prompt_ids:
         raise ValueError("--tree_tokens auto measures on a prompt; none was given")
     prompt = torch.tensor([list(prompt_ids)], device=model.norm.weight.device)
     t = time.perf_counter()
-    step_s, rounds = measure_tree_costs(model, draft, prompt, tree_top_k=tree_top_k, tree_depth=tree_depth, **sampling)
+    step_s, rounds = measure_tree_costs(model, draft, prompt, tree_top_k=tree_top_k, tree_depth=tree_depth,
+                                        cuda_graphs=cuda_graphs, **sampling)
     choice, predicted = choose_tree_tokens(step_s, rounds)
     print(f"--tree_tokens auto: measured for {time.perf_counter() - t:.1f} s; a vanilla step takes {step_s * 1e3:.1f} ms",
           file=sys.stderr)
@@ -353,11 +362,48 @@ def device_sync(device: str):
         torch.cuda.synchronize(device)
 
 
-def compile_round(spec: Speculator, compile_prefill: bool):
-    """One speculative round as one graph. dont_skip_tracing: torch._dynamo skips any module whose
-    import name is "tree" (it takes it for the dm-tree library), and that would be our tree.py."""
-    spec.round = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), mode="reduce-overhead", fullgraph=True)
-    if compile_prefill:
-        spec.prefill = torch.compile(spec.prefill, fullgraph=True, dynamic=True)
+def cuda_graph(fn: Callable[[], None]) -> Callable[[], None]:
+    """fn, which must touch its tensors in place and never sync with the host (a round, a decode
+    step), run once to warm up and captured in a CUDA graph; calling the result replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: lazy initialisation, the allocator
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# Inductor settings of a round, given as options because torch.compile takes a mode or options,
+# not both. "triton.cudagraphs" is all that mode="reduce-overhead" sets (torch._inductor.
+# list_mode_options): on CUDA the round replays as one CUDA graph. Coordinate-descent tuning, which
+# generate.compile_decoding keeps for the small one-token step as gpt-fast does, is off: it tunes
+# every kernel of a ~1-2k-node round, and compile time explodes. The FX graph cache lets a second
+# process (another method, a rerun) load a round it has compiled before.
+ROUND_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": False, "fx_graph_cache": True}
+PREFILL_OPTIONS = {"coordinate_descent_tuning": False, "fx_graph_cache": True}
+
+
+def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
+    """One speculative round as one graph: fullgraph (a graph break would split it around a host
+    sync) and dynamic=False (every shape of a round is fixed by the Speculator; a dynamic-shape
+    graph would specialise less and recompile where a static one need not).
+
+    dont_skip_tracing: torch._dynamo skips any module whose import name is "tree" (it takes it for
+    the dm-tree library), and that would be our tree.py.
+
+    Every Speculator compiles its own graph of the same code (Speculator.round), and dynamo keeps
+    at most torch._dynamo.config.recompile_limit (8) graphs per code object: a process that
+    compiles more rounds (methods x temperatures x tree sizes) raises the limit, as
+    scripts/benchmark.py does, or runs one method per process, as scripts/gpu_check.sh does.
+    backend: torch.compile's; the tests pass one that inspects the graph."""
+    inductor = backend == "inductor"
+    spec.round = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), backend=backend, fullgraph=True,
+                               dynamic=False, options=ROUND_OPTIONS if inductor else None)
+    if compile_prefill:  # prompts vary in length: dynamic shapes, no CUDA graphs
+        spec.prefill = torch.compile(spec.prefill, backend=backend, fullgraph=True, dynamic=True,
+                                     options=PREFILL_OPTIONS if inductor else None)
     return spec
 

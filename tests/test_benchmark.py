@@ -197,6 +197,20 @@ def test_measure_tree_costs_reads_acceptance_and_stops_at_hopeless_sizes(monkeyp
     assert list(rounds) == [4]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@torch.no_grad()
+def test_measure_tree_costs_on_cuda_graph_replays():
+    """A compiled run on CUDA is measured on CUDA-graph replays of the eager step and rounds: the
+    replays must run real rounds, which emit the mirrored draft's accepted guesses."""
+    target, draft = (m.cuda() for m in mirrored_pair())
+    prompt = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0)).cuda()
+    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(8, 16), tree_top_k=4, tree_depth=4,
+                                                    cuda_graphs=True)
+    assert step_s > 0 and list(rounds) == [8, 16]
+    for seconds, tau in rounds.values():
+        assert seconds > 0 and 2 < tau <= 5
+
+
 def _args(**kw):
     defaults = dict(speculate="eagle2", temperature=0.0, top_k=None, top_p=None, compile=False, compile_prefill=False,
                     device="cpu", tree=None, tree_top_k=4, tree_depth=3, tree_tokens="auto")
