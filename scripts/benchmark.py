@@ -8,6 +8,7 @@ Methods, run in one process on exactly the same prompts so that their ratios are
     chain    the EAGLE draft without a tree: a chain of --chain_depth guesses per round
     eagle    EAGLE-1's static tree mc_sim_7b_63 (26 nodes, depth 5)
     eagle2   EAGLE-2's dynamic tree (--tree_top_k, --tree_depth, --tree_tokens; "auto" measures)
+    eagle3   an EAGLE-3 head (--eagle3_draft_path) with EAGLE-2's dynamic tree (asked for by name)
 at each of --temperatures (default 0 and 1). Every MT-bench question is asked in its two turns
 with the chat template: turn 1 is answered, the answer appended, then turn 2 is answered. Turn 2
 follows vanilla's answer to turn 1 at the same temperature for every method, so that all methods
@@ -20,10 +21,18 @@ Writes OUT.json (one record per method x temperature x category, "overall" inclu
     python scripts/benchmark.py --random_weights --model_name llama-2-7b --compile --out benchmarks/llama-2-7b
 
 Random-weights mode builds a real-shaped model (any model.py config name) with random weights
-directly on the device, no download, and measures (a) compiled vanilla decode tok/s and the
-weight bandwidth it achieves, next to a device-to-device copy measured in the same run, (b) one
-EAGLE-2 round (random draft, depth --tree_depth) against one vanilla step for each --tree_sizes,
-and (c) the speedup those costs predict for each --tau. Writes OUT.json and OUT.md.
+directly on the device, no download (--quantize int8/int4: quantized in memory there), and
+measures (a) vanilla decode tok/s and the weight bandwidth it achieves, next to a device-to-device
+copy measured in the same run, (b) one round of each speculative method (random drafts: eagle's
+static tree, eagle2 and eagle3 at each --tree_sizes) against one vanilla step timed the same way,
+and (c) the speedup those costs predict for each --tau. Timed the same way: with --compile, the
+first --compiled_rounds rounds (the headline --tree_tokens first) and the step are compiled; the
+other rounds are replays of the eager round captured in a CUDA graph ("cuda graph": the kernels
+without their launch overhead, and no compile per size) on CUDA, eager elsewhere, each against a
+step timed in the same way. Writes OUT.json (after every measurement) and OUT.md.
+
+--time_budget SECONDS stops either mode in time (no new question, no new round; what was left out
+is recorded), and --dry_run only checks the arguments (scripts/gpu_check.sh --dry_run).
 """
 import argparse
 import json
@@ -44,12 +53,17 @@ sys.path.insert(0, str(ROOT))
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
-from draft import EagleDraft, draft_config_for, dynamic_tree_slots  # noqa: E402
+from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
 from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
+from quantize import pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
-METHODS = ("vanilla", "chain", "eagle", "eagle2")
-DEFAULT_QUESTIONS = ROOT.parent / "shared/data/mt_bench/question.jsonl"
+METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3")
+RANDOM_METHODS = ("eagle", "eagle2", "eagle3")  # random-weights mode: one round of each
+# The shared data folder sits beside the checkout on the development machine and inside it on the GPU machine.
+QUESTION_FILES = [ROOT.parent / "shared/data/mt_bench/question.jsonl", ROOT / "shared/data/mt_bench/question.jsonl"]
+DEFAULT_QUESTIONS = next((f for f in QUESTION_FILES if f.is_file()), QUESTION_FILES[0])
+EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' reduced vocabulary (or the target's, if smaller)
 
 
 def parse_args(argv=None):
@@ -60,8 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
     p.add_argument("--num_questions", type=int, default=None,
                    help="ask only this many questions, taken in turn from each category (default: all)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="vanilla always runs: it is the reference")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                   help="vanilla always runs: it is the reference (default: vanilla chain eagle eagle2, and eagle3 "
+                        "with --eagle3_draft_path; random weights: eagle eagle2 eagle3)")
+    p.add_argument("--eagle3_draft_path", type=Path, default=None, help="the EAGLE-3 head of method eagle3")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
     p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
@@ -79,6 +95,10 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None,
                    help="output path without suffix (default: benchmarks/mt_bench-MODEL or benchmarks/random-NAME)")
     p.add_argument("--no_plot", action="store_true", help="skip OUT.png (no matplotlib needed)")
+    p.add_argument("--time_budget", type=float, default=None,
+                   help="seconds: start no new question (random weights: no new round) after this; recorded")
+    p.add_argument("--dry_run", action="store_true",
+                   help="check the arguments (all but the device's presence), print the plan and exit")
     r = p.add_argument_group("random-weights mode")
     r.add_argument("--random_weights", action="store_true", help="real-shaped model with random weights, no checkpoint")
     r.add_argument("--model_name", type=str, default=None, help="a model.py config, e.g. llama-2-7b, SmolLM2-135M")
@@ -87,10 +107,15 @@ def parse_args(argv=None):
                    help="mean accepted tokens per round to predict the speedup for")
     r.add_argument("--steps", type=int, default=None, help="timed decode steps and rounds (default: 100 GPU, 10 CPU)")
     r.add_argument("--prompt_length", type=int, default=128)
+    r.add_argument("--quantize", choices=["int8", "int4"], default=None, help="quantize the random target in memory")
+    r.add_argument("--groupsize", type=int, default=32, help="int4 groupsize")
+    r.add_argument("--compiled_rounds", type=int, default=None,
+                   help="with --compile: compile this many rounds, the headline first (default: all); "
+                        "the others are timed as CUDA-graph replays of the eager round (eager on a CPU)")
     args = p.parse_args(argv)
 
     errors = []
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
         errors.append(f"--device {args.device} requested but CUDA is not available")
     if args.attention == "triton" and not args.device.startswith("cuda"):
         errors.append(f"--attention triton runs on CUDA, not on --device {args.device} (use --attention sdpa)")
@@ -102,6 +127,8 @@ def parse_args(argv=None):
         errors.append(f"--chain_depth must be >= 1, got {args.chain_depth}")
     if any(t < 0 for t in args.temperatures):
         errors.append(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}")
+    if args.time_budget is not None and args.time_budget < 0:
+        errors.append(f"--time_budget must be >= 0 seconds, got {args.time_budget}")
     if args.random_weights:
         if args.model_name is None:
             errors.append("--random_weights needs --model_name (a config name of model.py, e.g. llama-2-7b)")
@@ -110,20 +137,32 @@ def parse_args(argv=None):
                 ModelArgs.from_name(args.model_name)
             except ValueError as e:
                 errors.append(str(e))
+        args.methods = [m for m in RANDOM_METHODS if m in (args.methods or RANDOM_METHODS)]
+        if not args.methods:
+            errors.append(f"--random_weights measures rounds of {', '.join(RANDOM_METHODS)}; --methods names none")
+        if args.tree_tokens == "auto":
+            errors.append("--random_weights measures fixed tree sizes: give --tree_tokens a number (the headline size)")
+        if args.quantize == "int4" and args.groupsize not in (32, 64, 128, 256):
+            errors.append(f"--groupsize must be 32, 64, 128 or 256, got {args.groupsize}")
     else:
-        if args.model_name is not None:
-            errors.append("--model_name names the shape of --random_weights; a checkpoint carries its own config")
+        if args.model_name is not None or args.quantize is not None:
+            errors.append("--model_name and --quantize apply to --random_weights; a checkpoint carries its own "
+                          "config and quantization")
         if not args.question_file.is_file():
             errors.append(f"--question_file not found: {args.question_file}")
         if not args.checkpoint_path.is_file():
             errors.append(f"checkpoint not found: {args.checkpoint_path} (prepare one with scripts/prepare.sh)")
-        args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
+        asked = args.methods or [m for m in METHODS if m != "eagle3" or args.eagle3_draft_path is not None]
+        args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in asked]
         if args.draft_checkpoint_path is None:
             args.draft_checkpoint_path = args.checkpoint_path.parent / "eagle"
-        if len(args.methods) > 1 and not args.draft_checkpoint_path.exists():
-            errors.append(f"methods {' '.join(args.methods[1:])} need an EAGLE draft: {args.draft_checkpoint_path} "
+        eagle12 = [m for m in args.methods if m in ("chain", "eagle", "eagle2")]
+        if eagle12 and not args.draft_checkpoint_path.exists():
+            errors.append(f"methods {' '.join(eagle12)} need an EAGLE draft: {args.draft_checkpoint_path} "
                           f"not found (pass --draft_checkpoint_path, or --methods vanilla)")
-    if not args.no_plot and not args.random_weights:
+        if "eagle3" in args.methods and (args.eagle3_draft_path is None or not args.eagle3_draft_path.exists()):
+            errors.append(f"method eagle3 needs an EAGLE-3 head: --eagle3_draft_path {args.eagle3_draft_path} not found")
+    if not args.no_plot and not args.random_weights and not args.dry_run:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -137,6 +176,8 @@ def parse_args(argv=None):
         args.out = ROOT / "benchmarks" / name
     if args.steps is None:
         args.steps = 100 if args.device.startswith("cuda") else 10
+    if args.time_budget is None:
+        args.time_budget = float("inf")
     return args
 
 
@@ -212,23 +253,26 @@ def load_questions(path: Path, n=None) -> list:
     return sorted(picked, key=questions.index)
 
 
-def build_decoders(args, model: Transformer, draft, stop_ids, context: int, probe_ids) -> tuple:
+def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probe_ids) -> tuple:
     """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per round or None)},
-    and {temperature: the eagle2 tree size, or None where --tree_tokens auto chose vanilla}.
-    All methods share the target, the draft and their caches, allocated here once for the
+    and {(method, temperature): the eagle2/eagle3 tree size, or None where --tree_tokens auto chose
+    vanilla}. drafts: {"eagle": the EAGLE-1/2 head, "eagle3": the EAGLE-3 head}, those the methods
+    need. All methods share the target, the drafts and their caches, allocated here once for the
     largest tree, before anything is compiled."""
     device = args.device
-    tree_sizes = {T: args.tree_tokens for T in args.temperatures}
-    if "eagle2" in args.methods and args.tree_tokens == "auto":
-        for T in args.temperatures:
-            tree_sizes[T] = speculative.auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
-                                                 tree_depth=args.tree_depth, temperature=T)
+    dynamic = {"eagle2": drafts.get("eagle"), "eagle3": drafts.get("eagle3")}  # the dynamic tree's methods
+    tree_sizes = {(m, T): args.tree_tokens for m in dynamic if m in args.methods for T in args.temperatures}
+    if args.tree_tokens == "auto":
+        for m, T in tree_sizes:
+            tree_sizes[m, T] = speculative.auto_tree_tokens(
+                model, dynamic[m], probe_ids, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                cuda_graphs=args.compile and device.startswith("cuda"), temperature=T)
     statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]),
                "eagle": static_tree(mc_sim_7b_63)}
     depth = max(args.chain_depth, 5, args.tree_depth)
     n_nodes = max(args.chain_depth + 1, 26, *[n for n in tree_sizes.values() if n])
     model.setup_caches(1, context + 2 * (depth + 1) + n_nodes)
-    if draft is not None:
+    for draft in drafts.values():
         draft.setup_caches(1, context + 2 * (depth + 1) + max(n_nodes, args.tree_top_k * args.tree_depth))
     if args.compile:
         allow_many_graphs()
@@ -256,15 +300,15 @@ def build_decoders(args, model: Transformer, draft, stop_ids, context: int, prob
     for T in args.temperatures:
         sampling = dict(temperature=T, top_k=None, top_p=None)
         for method in args.methods:
-            if method == "vanilla" or (method == "eagle2" and tree_sizes[T] is None):
+            if method == "vanilla" or (method in dynamic and tree_sizes[method, T] is None):
                 decoders[method, T] = vanilla(sampling)
-            elif method == "eagle2":
+            elif method in dynamic:
                 decoders[method, T] = speculative_decoder(speculative.Speculator(
-                    model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=tree_sizes[T],
-                    stop_ids=stop_ids, **sampling))
+                    model, dynamic[method], tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                    tree_tokens=tree_sizes[method, T], stop_ids=stop_ids, **sampling))
             else:
-                decoders[method, T] = speculative_decoder(speculative.Speculator(model, draft, static=statics[method],
-                                                                 stop_ids=stop_ids, **sampling))
+                decoders[method, T] = speculative_decoder(speculative.Speculator(
+                    model, drafts["eagle"], static=statics[method], stop_ids=stop_ids, **sampling))
     return decoders, tree_sizes
 
 
@@ -303,10 +347,13 @@ def run_mt_bench(args, argv=None) -> dict:
     args.attention = set_attention_backend(args.attention, device)
     model = load_model(args.checkpoint_path, device, dtype)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
-    draft = None
-    if len(args.methods) > 1:
-        draft = load_draft(args.draft_checkpoint_path, model.config, device, dtype)
+    drafts = {}
+    if any(m in args.methods for m in ("chain", "eagle", "eagle2")):
+        drafts["eagle"] = load_draft(args.draft_checkpoint_path, model.config, device, dtype)
+    if "eagle3" in args.methods:
+        drafts["eagle3"] = load_draft(args.eagle3_draft_path, model.config, device, dtype)
     questions = load_questions(args.question_file, args.num_questions)
+    start = time.perf_counter()
 
     def conversation(q, turn, answers):  # the user turns up to `turn`, each followed by its answer
         messages = []
@@ -322,7 +369,7 @@ def run_mt_bench(args, argv=None) -> dict:
     most_turns = max(len(q["turns"]) for q in questions)
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
     probe_ids = conversation(questions[0], 0, [])
-    decoders, tree_sizes = build_decoders(args, model, draft, tokenizer.stop_ids, context, probe_ids)
+    decoders, tree_sizes = build_decoders(args, model, drafts, tokenizer.stop_ids, context, probe_ids)
 
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
     for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
@@ -331,7 +378,13 @@ def run_mt_bench(args, argv=None) -> dict:
     answers, peaks = [], {key: 0.0 for key in decoders}
     total = sum(len(q["turns"]) for q in questions) * len(decoders)
     bar = tqdm(total=total, desc="MT-bench answers", unit="answer", file=sys.stderr)
+    asked = []
     for index, q in enumerate(questions):
+        if asked and time.perf_counter() - start > args.time_budget:  # (the first question is always asked)
+            print(f"--time_budget {args.time_budget:g} s reached: {len(asked)} of {len(questions)} questions asked",
+                  file=sys.stderr)
+            break
+        asked.append(q)
         for T in args.temperatures:
             replies = []  # vanilla's answers: the conversation every method continues
             for turn in range(len(q["turns"])):
@@ -370,25 +423,30 @@ def run_mt_bench(args, argv=None) -> dict:
                         peaks)
     for r in records:
         r["tree_tokens"] = tree_tokens_of(r["method"], r["temperature"], args, tree_sizes)
-    return dict(fields, mode="mt_bench", draft=str(args.draft_checkpoint_path) if draft is not None else None,
-                question_file=str(args.question_file), questions=len(questions), max_new_tokens=args.max_new_tokens,
-                context=context, seed=args.seed, methods=method_notes(args, tree_sizes),
+    return dict(fields, mode="mt_bench", draft=str(args.draft_checkpoint_path) if "eagle" in drafts else None,
+                eagle3_draft=str(args.eagle3_draft_path) if "eagle3" in drafts else None,
+                question_file=str(args.question_file), questions=len(asked), questions_left_out=len(questions) - len(asked),
+                max_new_tokens=args.max_new_tokens, context=context, seed=args.seed,
+                methods=method_notes(args, tree_sizes),
                 peak_memory_note="GPU: peak allocated per method; CPU: the whole process's peak RSS, shared by all methods",
                 records=records, answers=answers)
 
 
 def tree_tokens_of(method, T, args, tree_sizes):
-    return {"vanilla": None, "chain": args.chain_depth + 1, "eagle": 26, "eagle2": tree_sizes.get(T)}[method]
+    return {"vanilla": None, "chain": args.chain_depth + 1, "eagle": 26}.get(method, tree_sizes.get((method, T)))
 
 
 def method_notes(args, tree_sizes) -> dict:
+    dynamic = f"dynamic tree: top_k {args.tree_top_k}, depth {args.tree_depth}, tokens {args.tree_tokens}"
     notes = {"vanilla": "one target forward per token",
              "chain": f"static chain of {args.chain_depth} guesses (EAGLE draft, no tree)",
              "eagle": "EAGLE-1 static tree mc_sim_7b_63: 26 nodes, depth 5",
-             "eagle2": f"EAGLE-2 dynamic tree: top_k {args.tree_top_k}, depth {args.tree_depth}, tokens {args.tree_tokens}"}
+             "eagle2": f"EAGLE-2 {dynamic}", "eagle3": f"EAGLE-3 head, EAGLE-2 {dynamic}"}
     if args.tree_tokens == "auto":
-        chosen = ", ".join(f"T={T:g}: {n if n else 'vanilla decoding'}" for T, n in tree_sizes.items())
-        notes["eagle2"] += f" (chose {chosen})"
+        for method in ("eagle2", "eagle3"):
+            chosen = [f"T={T:g}: {n if n else 'vanilla decoding'}" for (m, T), n in tree_sizes.items() if m == method]
+            if chosen:
+                notes[method] += f" (chose {', '.join(chosen)})"
     return {m: notes[m] for m in args.methods}
 
 
@@ -401,9 +459,10 @@ def mt_bench_markdown(report: dict) -> str:
              f"- date: {report['date']}", f"- command: `{report['command']}`",
              f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
              f"attention: {report['attention']}, torch {report['torch']}",
-             f"- draft: {report['draft']}",
+             f"- draft: {report['draft']}" + (f", EAGLE-3 head: {report['eagle3_draft']}" if report["eagle3_draft"] else ""),
              f"- {report['questions']} questions (both turns) from {Path(report['question_file']).name}, "
-             f"up to {report['max_new_tokens']} new tokens per answer",
+             f"up to {report['max_new_tokens']} new tokens per answer"
+             + (f" ({report['questions_left_out']} more left out by --time_budget)" if report["questions_left_out"] else ""),
              *[f"- {m}: {note}" for m, note in report["methods"].items()],
              f"- peak memory: {report['peak_memory_note']}", "",
              "| method | temperature | tok/s | speedup | τ | equal to vanilla | peak memory (GB) | tokens | rounds |",
@@ -455,20 +514,44 @@ def mt_bench_plot(report: dict, path: Path):
 # ---------------------------------------------------------------------------------------------
 # Random weights: roofline and round cost of a real-shaped model, no checkpoint needed
 # ---------------------------------------------------------------------------------------------
-def random_model(config: ModelArgs, device: str, dtype: torch.dtype) -> Transformer:
-    """Allocated once, directly on the device in its dtype (a 7B model never exists in float32)."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    if config.tie_embeddings:  # to_empty made two tensors of the shared one
-        model.output.weight = model.tok_embeddings.weight
+def random_init(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A module built on the meta device, allocated directly on `device` in `dtype` (a 7B model never
+    exists in float32) and filled with random weights: norms 1, everything else N(0, 0.02^2)."""
+    module = module.to(dtype=dtype).to_empty(device=device)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
-    return model.eval()
+    return module.eval()
+
+
+def random_model(config: ModelArgs, device: str, dtype: torch.dtype) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = random_init(model, device, dtype)
+    if config.tie_embeddings:  # to_empty made two tensors of the shared one
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def random_drafts(config: ModelArgs, methods, device: str, dtype: torch.dtype) -> dict:
+    """Random drafts for the methods: {"eagle": an EAGLE-1/2 head, "eagle3": an EAGLE-3 head with
+    a reduced vocabulary, as published}."""
+    drafts = {}
+    with torch.device("meta"):
+        if {"eagle", "eagle2"} & set(methods):
+            drafts["eagle"] = EagleDraft(draft_config_for(config))
+        if "eagle3" in methods:
+            drafts["eagle3"] = Eagle3Draft(draft_config_for(config), min(EAGLE3_DRAFT_VOCAB, config.vocab_size),
+                                           eagle3_layer_ids(config.n_layer))
+    for arch, draft in drafts.items():
+        vocab = draft.vocab if arch == "eagle3" else None  # a buffer, not a weight: to_empty would lose it
+        drafts[arch] = random_init(draft, device, dtype)
+        if vocab is not None:
+            drafts[arch].vocab = torch.arange(vocab.numel(), device=device)
+    return drafts
 
 
 def copy_bandwidth_gb_s(device: str, nbytes: int, repeats: int = 20) -> float:
@@ -497,77 +580,131 @@ def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
     return (time.perf_counter() - t) / calls
 
 
+def round_plan(args) -> list:
+    """(method, tree size) pairs in the order they are measured: the headline size of each method
+    first (what a short --time_budget or --compiled_rounds keeps), then the other sizes."""
+    dynamic = [m for m in ("eagle2", "eagle3") if m in args.methods]
+    first = [(m, args.tree_tokens) for m in dynamic] + [("eagle", 26)] * ("eagle" in args.methods)
+    rest = [(m, T) for m in dynamic for T in sorted(args.tree_sizes) if T != args.tree_tokens]
+    return first + rest
+
+
 @torch.no_grad()
 def run_random_weights(args, argv=None) -> dict:
+    start = time.perf_counter()
     device, dtype = args.device, getattr(torch, args.dtype)
+    cuda = device.startswith("cuda")
     args.attention = set_attention_backend(args.attention, device)
     config = ModelArgs.from_name(args.model_name)
     torch.manual_seed(args.seed)
     model = random_model(config, device, dtype)
-    draft = EagleDraft(draft_config_for(config)).to(device=device, dtype=dtype).eval()
-    warmup, P, depth = 3, args.prompt_length, args.tree_depth
-    sizes = sorted(args.tree_sizes)
-    # prompt, warm-up and timed steps (a round emits at most depth + 1 tokens), then the largest tree region
-    context = P + (warmup + args.steps + 1) * (depth + 1) + 2 * (depth + 1)
-    model.setup_caches(1, context + sizes[-1])
-    draft.setup_caches(1, context + max(sizes[-1], dynamic_tree_slots(args.tree_top_k, depth)))
+    parameters = sum(p.numel() for p in model.parameters())
+    quantized = quantize_model(model, args.quantize, args.groupsize) if args.quantize else []
+    pack_int4(model)
+    drafts = random_drafts(config, args.methods, device, dtype)  # in the float dtype, also for a quantized target
+    plan = round_plan(args)
+    n_compiled = 0 if not args.compile else len(plan) if args.compiled_rounds is None else args.compiled_rounds
+    warmup, P, depth = 3, args.prompt_length, max(args.tree_depth, 5)  # 5: the static tree's depth
+    largest = max(T for _, T in plan)
+    # prompt, warm-up and timed rounds (each emits at most depth + 1 tokens; one more warm-up
+    # round before a CUDA-graph capture), room for the last round's overshoot, the tree region
+    context = P + (warmup + args.steps + 2) * (depth + 1) + 2 * (depth + 1)
+    model.setup_caches(1, context + largest)
+    for draft in drafts.values():
+        draft.setup_caches(1, context + max(largest, dynamic_tree_slots(args.tree_top_k, args.tree_depth)))
     weight_bytes = gen.model_bytes_per_token(model)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cache" in n)
-    draft_bytes = sum(t.numel() * t.element_size() for t in list(draft.parameters()) + list(draft.buffers()))
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    kv_bytes = model.kv_storage.numel() * model.kv_storage.element_size()
+    draft_bytes = sum(t.numel() * t.element_size() for d in drafts.values() for t in d.state_dict().values())
+    eager_decode = gen.decode_one_token  # compile_decoding rebinds the module's name
     if args.compile:
         allow_many_graphs()
         gen.compile_decoding(device, args.compile_prefill)
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
-    copy_bytes = (1 << 30) if device.startswith("cuda") else (256 << 20)
+    copy_bytes = (1 << 30) if cuda else (256 << 20)
     copy_gb_s = copy_bandwidth_gb_s(device, copy_bytes)
+    report = dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
+                  weights="random", quantize=args.quantize and (args.quantize if args.quantize == "int8"
+                                                                else f"int4 g{args.groupsize}"),
+                  quantized=quantized, parameters=parameters,
+                  weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
+                  tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                  memory_needed_gb=(state_bytes + kv_bytes + draft_bytes + 2 * copy_bytes) / 1e9,
+                  copy_gb_s=copy_gb_s, time_budget_s=args.time_budget, rounds=[], skipped=[])
 
-    # (a) vanilla decode: one step per call, positions after the prompt
+    def save():  # after every measurement: a run stopped from outside keeps what it measured
+        report.update(peak_memory_gb=peak_memory_gb(device), seconds=time.perf_counter() - start)
+        write_json(Path(str(args.out) + ".json"), report)
+
+    # (a) vanilla decode: one step per call, positions after the prompt, timed in each way rounds
+    # are: compiled (with --compile), and as CUDA-graph replays of the eager step (CUDA) or eager.
     prompt = torch.randint(0, config.vocab_size, (1, P), device=device)
     token = gen.prefill(model, prompt, 0.0, None, None)
     input_pos = torch.tensor([P], device=device)
 
-    def step():
-        nonlocal token
-        token = gen.decode_one_token(model, token.clone(), input_pos, 0.0, None, None)
-        input_pos.add_(1)
+    def step_with(decode):
+        def step():
+            token.copy_(decode(model, token.clone(), input_pos, 0.0, None, None))
+            input_pos.add_(1)
+        return step
 
-    step_s = seconds_per_call(step, args.steps, device, warmup)
-    decode_gb_s = weight_bytes / step_s / 1e9
+    cheap = "cuda graph" if cuda else "eager"  # how the rounds that are not compiled are timed
+    steps = {}
+    if args.compile:
+        t = time.perf_counter()
+        steps["compiled"] = seconds_per_call(step_with(gen.decode_one_token), args.steps, device, warmup)
+        report["vanilla_warmup_s"] = time.perf_counter() - t - steps["compiled"] * args.steps
+    if n_compiled < len(plan):
+        eager = step_with(eager_decode)
+        steps[cheap] = seconds_per_call(speculative.cuda_graph(eager) if cuda else eager, args.steps, device, warmup)
+    main = steps.get("compiled", steps.get(cheap))
+    report["vanilla"] = dict(tokens_per_s=1 / main, step_ms=main * 1e3, gb_s=weight_bytes / main / 1e9,
+                             fraction_of_copy=weight_bytes / main / 1e9 / copy_gb_s, timing=next(iter(steps)),
+                             step_ms_by_timing={k: v * 1e3 for k, v in steps.items()})
+    save()
 
-    # (b) one EAGLE-2 round per tree size: draft catch-up and growth, verify, accept, compaction
-    rounds = []
-    for T in sizes:
-        spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=depth, tree_tokens=T)
+    # (b) one round per (method, size): draft catch-up and growth, verify, accept, compaction
+    statics = {"eagle": static_tree(mc_sim_7b_63)}
+    for i, (method, T) in enumerate(plan):
+        if time.perf_counter() - start > args.time_budget:
+            report["skipped"] = [dict(method=m, tree_tokens=n, why="time budget") for m, n in plan[i:]]
+            print(f"--time_budget {args.time_budget:g} s reached: {len(plan) - i} rounds left out", file=sys.stderr)
+            break
+        draft = drafts["eagle3" if method == "eagle3" else "eagle"]
+        if method in statics:
+            spec = speculative.Speculator(model, draft, static=statics[method])
+        else:
+            spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                                          tree_tokens=T)
         spec.setup(1, context)
-        if args.compile:
+        timing = "compiled" if i < n_compiled else cheap
+        if timing == "compiled":
             speculative.compile_round(spec, args.compile_prefill)
         spec.prefill(prompt, context - P - 2 * (depth + 1))
-        round_s = seconds_per_call(spec.round, args.steps, device, warmup)
-        rounds.append(dict(tree_tokens=T, round_ms=round_s * 1e3, cost_vs_step=round_s / step_s))
-        print(f"tree {T:4d}: a round takes {round_s * 1e3:.2f} ms = {round_s / step_s:.2f} vanilla steps", file=sys.stderr)
+        t = time.perf_counter()
+        round_fn = speculative.cuda_graph(spec.round) if timing == "cuda graph" else spec.round
+        round_s = seconds_per_call(round_fn, args.steps, device, warmup)
+        compile_s = time.perf_counter() - t - round_s * args.steps
+        report["rounds"].append(dict(method=method, tree_tokens=T, timing=timing, round_ms=round_s * 1e3,
+                                     cost_vs_step=round_s / steps[timing], warmup_s=compile_s))
+        print(f"{method} {T:4d} tree tokens ({timing}): a round takes {round_s * 1e3:.2f} ms = "
+              f"{round_s / steps[timing]:.2f} vanilla steps", file=sys.stderr)
+        save()
 
     # (c) what those costs predict: a round emits tau tokens, vanilla needs tau steps for them
-    predicted = [dict(tau=tau, tree_tokens=r["tree_tokens"], speedup=tau / r["cost_vs_step"])
-                 for tau in args.tau for r in rounds]
-    copy_buffers = 2 * copy_bytes
-    return dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
-                weights="random", parameters=sum(p.numel() for p in model.parameters()),
-                weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
-                tree_top_k=args.tree_top_k, tree_depth=depth,
-                memory_needed_gb=(param_bytes + kv_bytes + draft_bytes + copy_buffers) / 1e9,
-                peak_memory_gb=peak_memory_gb(device),
-                copy_gb_s=copy_gb_s,
-                vanilla=dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=decode_gb_s,
-                             fraction_of_copy=decode_gb_s / copy_gb_s),
-                rounds=rounds, predicted=predicted)
+    report["predicted"] = [dict(tau=tau, method=r["method"], tree_tokens=r["tree_tokens"], timing=r["timing"],
+                                speedup=tau / r["cost_vs_step"]) for tau in args.tau for r in report["rounds"]]
+    save()
+    return report
 
 
 def random_weights_markdown(report: dict) -> str:
     v = report["vanilla"]
-    lines = [f"# {report['model']} (random weights), {report['hardware']}", "",
+    by_timing = ", ".join(f"{k} {ms:.2f} ms" for k, ms in v["step_ms_by_timing"].items())
+    lines = [f"# {report['model']} (random weights{', ' + report['quantize'] if report['quantize'] else ''}), "
+             f"{report['hardware']}", "",
              f"- date: {report['date']}", f"- command: `{report['command']}`",
              f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
              f"attention: {report['attention']}, torch {report['torch']}",
@@ -575,18 +712,25 @@ def random_weights_markdown(report: dict) -> str:
              f"{report['weight_bytes_per_token'] / 1e9:.3f} GB of weights; memory needed ≈ "
              f"{report['memory_needed_gb']:.1f} GB (peak {report['peak_memory_gb']:.1f} GB)",
              f"- prompt {report['prompt_length']} tokens; {report['steps']} timed steps / rounds; "
-             f"EAGLE-2 top_k {report['tree_top_k']}, depth {report['tree_depth']}, random draft", "",
-             "## (a) vanilla decode against the copy bandwidth", "",
-             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy |",
-             "|---|---|---|---|---|",
+             f"EAGLE-2/3 top_k {report['tree_top_k']}, depth {report['tree_depth']}, random drafts; "
+             f"whole run {report['seconds']:.0f} s",
+             *[f"- {line}" for line in report["quantized"]],
+             "", "## (a) vanilla decode against the copy bandwidth", "",
+             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy | step by timing |",
+             "|---|---|---|---|---|---|",
              f"| {v['tokens_per_s']:.1f} | {v['step_ms']:.2f} | {v['gb_s']:.1f} | {report['copy_gb_s']:.1f} | "
-             f"{v['fraction_of_copy']:.0%} |", "",
-             "## (b) one EAGLE-2 round against one vanilla step", "",
-             "| tree tokens | round (ms) | cost in vanilla steps |", "|---|---|---|",
-             *[f"| {r['tree_tokens']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} |" for r in report["rounds"]],
-             "", "## (c) predicted speedup = τ × step / round", "",
-             "| τ | " + " | ".join(str(r["tree_tokens"]) for r in report["rounds"]) + " |",
-             "|---|" + "---|" * len(report["rounds"])]
+             f"{v['fraction_of_copy']:.0%} ({v['timing']}) | {by_timing} |", "",
+             "## (b) one round against one vanilla step timed the same way", "",
+             "| method | tree tokens | timing | round (ms) | cost in vanilla steps | warm-up incl. compile (s) |",
+             "|---|---|---|---|---|---|",
+             *[f"| {r['method']} | {r['tree_tokens']} | {r['timing']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} | "
+               f"{r['warmup_s']:.1f} |" for r in report["rounds"]]]
+    if report["skipped"]:
+        lines += ["", "Left out by --time_budget: " + ", ".join(f"{s['method']} {s['tree_tokens']}"
+                                                                for s in report["skipped"])]
+    lines += ["", "## (c) predicted speedup = τ × step / round", "",
+              "| τ | " + " | ".join(f"{r['method']} {r['tree_tokens']}" for r in report["rounds"]) + " |",
+              "|---|" + "---|" * len(report["rounds"])]
     for tau in dict.fromkeys(p["tau"] for p in report["predicted"]):
         lines.append(f"| {tau:g} | " + " | ".join(f"{p['speedup']:.2f}×" for p in report["predicted"] if p["tau"] == tau) + " |")
     return "\n".join(lines) + "\n"
@@ -594,6 +738,13 @@ def random_weights_markdown(report: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:
+        what = (f"random weights {args.model_name}{' ' + args.quantize if args.quantize else ''}: rounds of "
+                + ", ".join(f"{m} {T}" for m, T in round_plan(args)) if args.random_weights
+                else f"MT-bench {args.checkpoint_path}: {' '.join(args.methods)} at T={args.temperatures}")
+        print(f"dry run: {what}; --device {args.device}, compile {args.compile}, time budget {args.time_budget:g} s, "
+              f"out {args.out}", file=sys.stderr)
+        return None
     torch.manual_seed(args.seed)
     try:
         report = run_random_weights(args, argv) if args.random_weights else run_mt_bench(args, argv)

@@ -14,6 +14,7 @@ import speculative
 from checkpoint import save_draft
 from conftest import ROOT, mirrored_pair
 from convert_hf_checkpoint import convert_hf
+from draft import Eagle3Draft, draft_config_for, eagle3_layer_ids
 
 spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts/benchmark.py")
 bench = importlib.util.module_from_spec(spec)
@@ -29,8 +30,8 @@ QUESTIONS = [
 @pytest.fixture
 def tiny_checkpoint(tiny_hf_checkpoint, tmp_path):
     """A converted tiny checkpoint with a ChatML tokenizer whose model is mirrored_pair()'s target,
-    its draft in eagle/ (so guesses get accepted and rounds emit several tokens), and a question
-    file in MT-bench format."""
+    its draft in eagle/ (so guesses get accepted and rounds emit several tokens), a random EAGLE-3
+    head in eagle3/, and a question file in MT-bench format."""
     folder = tiny_hf_checkpoint("qwen2")
     checkpoint = convert_hf(folder)
     target, draft = mirrored_pair()
@@ -39,6 +40,8 @@ def tiny_checkpoint(tiny_hf_checkpoint, tmp_path):
     (folder / "model_config.json").write_text(json.dumps(config))
     torch.save(target.state_dict(), checkpoint)
     save_draft(draft, folder / "eagle")
+    torch.manual_seed(0)
+    save_draft(Eagle3Draft(draft_config_for(target.config), 256, eagle3_layer_ids(1)), folder / "eagle3")
     questions = tmp_path / "question.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return checkpoint, questions
@@ -49,7 +52,8 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
     out = tmp_path / "results" / "tiny"
     report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions),
                          "--num_questions", "2", "--max_new_tokens", "24", "--device", "cpu",
-                         "--out", str(out), "--tree_tokens", "12"])
+                         "--out", str(out), "--tree_tokens", "12",
+                         "--eagle3_draft_path", str(checkpoint.parent / "eagle3")])
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["records"] == json.loads(json.dumps(report["records"]))
     # --num_questions 2 takes one question from each category
@@ -68,8 +72,8 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
             assert r["equal_to_vanilla"] == 1.0  # lossless: every answer equals vanilla's
         else:
             assert r["equal_to_vanilla"] is None
-    # every answer: 2 questions x 2 turns x 4 methods x 2 temperatures
-    assert len(saved["answers"]) == 32
+    # every answer: 2 questions x 2 turns x 5 methods x 2 temperatures
+    assert len(saved["answers"]) == 40
     assert {r["category"] for r in records} == {"overall", "writing", "coding"}
     # the mirrored draft is mostly right: rounds emit several tokens; vanilla's tau is 1 by definition
     assert overall["vanilla", 0.0]["mean_accepted"] == 1.0
@@ -77,6 +81,7 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
         r = overall[method, 0.0]
         assert r["mean_accepted"] > 2 and r["rounds"] < r["tokens"]
     assert overall["eagle2", 0.0]["tree_tokens"] == 12 and overall["eagle", 0.0]["tree_tokens"] == 26
+    assert overall["eagle3", 0.0]["tree_tokens"] == 12 and saved["eagle3_draft"].endswith("eagle3")
     markdown = out.with_suffix(".md").read_text()
     assert "| eagle2 | 0 |" in markdown and "| coding | 1 |" in markdown and saved["command"] in markdown
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -101,17 +106,39 @@ def test_mt_bench_tree_tokens_auto(tiny_checkpoint, tmp_path, monkeypatch):
 
 def test_random_weights_mode(tmp_path):
     out = tmp_path / "random"
-    report = bench.main(["--random_weights", "--model_name", "tiny-llama", "--device", "cpu", "--steps", "2",
-                         "--prompt_length", "8", "--tree_sizes", "32", "16", "--tau", "3", "4", "--out", str(out)])
+    common = ["--random_weights", "--model_name", "tiny-llama", "--device", "cpu", "--steps", "2", "--prompt_length", "8",
+              "--tree_sizes", "32", "16", "--tree_tokens", "16", "--tau", "3", "4"]
+    report = bench.main(common + ["--out", str(out)])
     assert json.loads(out.with_suffix(".json").read_text())["copy_gb_s"] == report["copy_gb_s"] > 0
     v = report["vanilla"]
     assert v["tokens_per_s"] > 0 and v["gb_s"] == pytest.approx(report["weight_bytes_per_token"] * v["tokens_per_s"] / 1e9)
-    assert [r["tree_tokens"] for r in report["rounds"]] == [16, 32]
-    assert len(report["predicted"]) == 4
+    # every method, the headline size (--tree_tokens) first, then the other sizes; eager on a CPU
+    assert [(r["method"], r["tree_tokens"]) for r in report["rounds"]] == [
+        ("eagle2", 16), ("eagle3", 16), ("eagle", 26), ("eagle2", 32), ("eagle3", 32)]
+    assert {r["timing"] for r in report["rounds"]} == {"eager"} and report["skipped"] == []
+    assert len(report["predicted"]) == 2 * 5
     for p in report["predicted"]:
-        r = next(r for r in report["rounds"] if r["tree_tokens"] == p["tree_tokens"])
+        r = next(r for r in report["rounds"] if (r["method"], r["tree_tokens"]) == (p["method"], p["tree_tokens"]))
         assert p["speedup"] == pytest.approx(p["tau"] / r["cost_vs_step"])
     assert "## (c) predicted speedup" in out.with_suffix(".md").read_text()
+    # a quantized target, and a time budget that leaves the rounds out: they are listed as such
+    small = bench.main(common + ["--out", str(tmp_path / "int8"), "--quantize", "int8", "--methods", "eagle2",
+                                 "--time_budget", "0"])
+    assert small["rounds"] == [] and [(r["method"], r["tree_tokens"]) for r in small["skipped"]] == [("eagle2", 16),
+                                                                                                   ("eagle2", 32)]
+    assert small["quantize"] == "int8" and small["weight_bytes_per_token"] < report["weight_bytes_per_token"] / 3
+    assert "Left out by --time_budget: eagle2 16, eagle2 32" in (tmp_path / "int8.md").read_text()
+
+
+def test_dry_run_checks_the_arguments_only(tmp_path, capsys):
+    """scripts/gpu_check.sh --dry_run: every stage's command parses on a machine without a GPU."""
+    assert bench.main(["--random_weights", "--model_name", "llama-3.1-8b", "--device", "cuda", "--compile",
+                       "--quantize", "int4", "--time_budget", "90", "--out", str(tmp_path / "x"), "--dry_run"]) is None
+    assert "rounds of eagle2 60, eagle3 60, eagle 26, eagle2 16" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing was written
+    with pytest.raises(SystemExit):
+        bench.main(["--random_weights", "--model_name", "llama-2-7b", "--tree_tokens", "auto", "--dry_run"])
+    assert "give --tree_tokens a number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -120,6 +147,8 @@ def test_random_weights_mode(tmp_path):
     (["--random_weights", "--model_name", "no-such-model"], "unknown model name"),
     (["--tree_tokens", "many"], "expected a number of tree nodes or 'auto'"),
     (["--temperatures", "-1"], "--temperatures must be >= 0"),
+    (["--methods", "eagle3"], "method eagle3 needs an EAGLE-3 head"),
+    (["--time_budget", "-5"], "--time_budget must be >= 0"),
 ])
 def test_bad_flags_are_clear_errors(tiny_checkpoint, tmp_path, capsys, args, message):
     checkpoint, questions = tiny_checkpoint
@@ -129,6 +158,16 @@ def test_bad_flags_are_clear_errors(tiny_checkpoint, tmp_path, capsys, args, mes
         bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--device", "cpu",
                     "--out", str(tmp_path / "x"), *args])
     assert e.value.code != 0 and message in capsys.readouterr().err
+
+
+def test_mt_bench_time_budget_stops_asking(tiny_checkpoint, tmp_path):
+    checkpoint, questions = tiny_checkpoint
+    report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--methods", "vanilla",
+                         "--num_questions", "2", "--max_new_tokens", "4", "--device", "cpu", "--no_plot",
+                         "--time_budget", "0", "--out", str(tmp_path / "budget")])
+    assert report["questions"] == 1 and report["questions_left_out"] == 1  # the first question is always asked
+    assert {a["question_id"] for a in report["answers"]} == {1}
+    assert "(1 more left out by --time_budget)" in (tmp_path / "budget.md").read_text()
 
 
 def test_bad_question_file_is_a_clear_error(tiny_checkpoint, tmp_path, capsys):
