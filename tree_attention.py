@@ -45,7 +45,7 @@ from tree import tree_attention_mask
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 # Launch constants, chosen for Hopper (H100) and still to be tuned there: they are read at every
-# call, so scripts/tune_tree_attention.py sweeps them by setting these module attributes.
+# call, so scripts/tune_kernels.py sweeps them by setting these module attributes.
 # BLOCK_N = 64 slots per K/V block keeps a bf16 K and V block at 16 KiB each for head_dim 128, so
 # two pipeline stages fit in shared memory easily. Query blocks are 16 to MAX_BLOCK_M rows (tl.dot
 # wants >= 16), with WARPS_PER_64_ROWS warps per 64 rows: one warpgroup, Hopper's wgmma tile.

@@ -139,7 +139,7 @@ def test_empty_shares_are_neither_written_nor_read(device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
 def test_launch_constants_are_read_at_every_call(device, monkeypatch):
-    """scripts/tune_tree_attention.py sweeps the module's launch constants: other values, same result."""
+    """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
     monkeypatch.setattr(tree_attention, "BLOCK_N", 32)
     monkeypatch.setattr(tree_attention, "MAX_BLOCK_M", 16)  # 24 rows: two blocks
     monkeypatch.setattr(tree_attention, "MIN_SPLIT_SLOTS", 32)
