@@ -399,6 +399,9 @@ def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
     compiles more rounds (methods x temperatures x tree sizes) raises the limit, as
     scripts/benchmark.py does, or runs one method per process, as scripts/gpu_check.sh does.
     backend: torch.compile's; the tests pass one that inspects the graph."""
+    if not hasattr(torch._dynamo, "dont_skip_tracing"):  # added in torch 2.8
+        raise RuntimeError(f"compiling a round needs torch >= 2.8 (torch._dynamo.dont_skip_tracing), this is "
+                           f"torch {torch.__version__}: upgrade torch or run without --compile")
     inductor = backend == "inductor"
     spec.round = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), backend=backend, fullgraph=True,
                                dynamic=False, options=ROUND_OPTIONS if inductor else None)
