@@ -57,7 +57,8 @@ def setup_draft_caches(draft, max_batch_size: int, max_seq_length: int):
     c = draft.config
     norm = draft.layer.ffn_norm.weight  # fc may be quantized (int8 weight): a norm has the float dtype
     dtype, device = norm.dtype, norm.device
-    draft.layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+    storage = torch.zeros(2, max_batch_size, c.n_local_heads, max_seq_length, c.head_dim, dtype=dtype, device=device)
+    draft.layer.attention.kv_cache = KVCache(storage)
     cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
     draft.register_buffer("rope_cos", cos.to(device), persistent=False)
     draft.register_buffer("rope_sin", sin.to(device), persistent=False)

@@ -113,24 +113,27 @@ def peak_memory_gb(device: str) -> float:
 
 
 def compile_decoding(device: str, compile_prefill: bool):
-    """The decode step becomes one graph; on CUDA "reduce-overhead" replays it as a CUDA graph.
-    The prompt length varies, so prefill is compiled with dynamic shapes and no CUDA graphs."""
+    """The decode step becomes one graph of static shapes; on CUDA it replays as a CUDA graph
+    ("triton.cudagraphs", all that mode="reduce-overhead" sets: torch.compile takes a mode or
+    options, not both). gpt-fast's settings for it: coordinate-descent tuning on CUDA (a small
+    graph, tuned once) and the FX graph cache. The prompt length varies, so prefill is compiled
+    with dynamic shapes and no CUDA graphs. Settings are per function, not global, so that a
+    speculative round compiled in the same process keeps its own (speculative.ROUND_OPTIONS)."""
     global decode_one_token, prefill
-    decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False, options={
+        "triton.cudagraphs": True, "coordinate_descent_tuning": device.startswith("cuda") and not tp.active(),
+        "fx_graph_cache": True})
     if compile_prefill:
-        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
-    set_inductor_flags(device)
+        prefill = torch.compile(prefill, fullgraph=True, dynamic=True, options={"fx_graph_cache": True})
+    set_tensor_parallel_flags()
 
 
-def set_inductor_flags(device: str):
-    """Kernel autotuning on CUDA and the FX graph cache. Under tensor parallelism inductor may not
-    choose kernels by timing them: two ranks could choose two that round differently, and diverge."""
-    tensor_parallel = tp.active()
-    torch._inductor.config.coordinate_descent_tuning = device.startswith("cuda") and not tensor_parallel
-    if hasattr(torch._inductor.config, "deterministic"):  # newer torch: also no timing among a kernel's configs
-        torch._inductor.config.deterministic = tensor_parallel
-    torch._inductor.config.fx_graph_cache = True
-
+def set_tensor_parallel_flags():
+    """Under tensor parallelism inductor may not choose kernels by timing them: two ranks could
+    choose two that round differently, and diverge (coordinate-descent tuning is off per function
+    then, in these options and speculative.ROUND_OPTIONS)."""
+    if tp.active() and hasattr(torch._inductor.config, "deterministic"):  # newer torch: no timing among configs
+        torch._inductor.config.deterministic = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +283,8 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_
     check_head(args.speculate, draft, args.draft_checkpoint_path)
     if args.tree_tokens == "auto":
         args.tree_tokens = auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
-                                            tree_depth=args.tree_depth, **sampling)
+                                            tree_depth=args.tree_depth,
+                                            cuda_graphs=args.compile and args.device.startswith("cuda"), **sampling)
         if args.tree_tokens is None:
             args.speculate = "none"
             return make_decoder(args, model, stop_ids, max_seq_length)
@@ -291,7 +295,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_
                       tree_tokens=args.tree_tokens, stop_ids=stop_ids, **sampling)
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))  # + room for the last round's overshoot
     if args.compile:
-        set_inductor_flags(args.device)
+        set_tensor_parallel_flags()
         compile_round(spec, args.compile_prefill)
 
     def decode(prompt_ids, max_new_tokens, callback=None):

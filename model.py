@@ -17,9 +17,9 @@ different lengths (batched speculative decoding).
 
 Weights are laid out as in Hugging Face checkpoints: q/k use the rotate-half RoPE convention.
 """
-import importlib.util
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
@@ -154,14 +154,16 @@ transformer_configs["Mixtral-8x7B-Instruct-v0.1"] = transformer_configs["Mixtral
 
 
 class KVCache(nn.Module):
-    """Keys and values of every layer live in buffers of fixed shape [B, n_kv_heads, S, head_dim],
-    allocated once, so decode steps have static shapes (CUDA graphs, no re-allocation)."""
+    """Keys and values of one layer in buffers of fixed shape [B, n_kv_heads, S, head_dim], allocated
+    once, so decode steps have static shapes (CUDA graphs, no re-allocation). They are views of
+    storage [2, B, n_kv_heads, S, head_dim]; a Transformer keeps all its layers' storage in one
+    tensor (kv_storage), so that copy_slots moves entries in every layer at once."""
 
-    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+    def __init__(self, storage: Tensor):
         super().__init__()
-        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        k_cache, v_cache = storage.unbind()
+        self.register_buffer("k_cache", k_cache, persistent=False)
+        self.register_buffer("v_cache", v_cache, persistent=False)
 
     def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
         # cache_pos [B, T]; k, v [B, H, T, D]: row b's tokens go to row b's own slots. (Indexed
@@ -171,13 +173,15 @@ class KVCache(nn.Module):
         self.v_cache[rows, :, cache_pos] = v.transpose(1, 2)
         return self.k_cache[:k.size(0)], self.v_cache[:k.size(0)]
 
-    def copy_slots(self, src: Tensor, dst: Tensor):
-        """Copy row b's entries in slots src[b] to slots dst[b] (both [B, n]); all reads happen
-        before any write, so the two may overlap. Speculative decoding moves accepted tree nodes
-        down to the end of the prefix with this."""
-        rows = torch.arange(src.size(0), device=src.device)[:, None]
-        for cache in (self.k_cache, self.v_cache):
-            cache[rows, :, dst] = cache[rows, :, src]
+
+def copy_slots(kv_storage: Tensor, src: Tensor, dst: Tensor):
+    """Copy row b's entries in slots src[b] to slots dst[b] (both [B, n]), keys and values of every
+    layer of kv_storage [n_layer, 2, B, H, S, D] (Transformer.kv_storage): one gather and one
+    scatter for the whole model, where a loop over the layers' caches would launch four small
+    kernels per layer (128 for a 7B). All reads happen before any write, so the two may overlap.
+    Speculative decoding moves accepted tree nodes down to the end of the prefix with this."""
+    rows = torch.arange(src.size(0), device=src.device)[:, None]
+    kv_storage[:, :, rows, :, dst] = kv_storage[:, :, rows, :, src]
 
 
 class TreeMask(NamedTuple):
@@ -201,20 +205,31 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
+        self.register_buffer("kv_storage", None, persistent=False)  # [n_layer, 2, B, KV, S, head_dim]: setup_caches
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        """Allocate the KV cache and the RoPE table once; later calls with the same sizes are free."""
+        """Allocate the KV cache and the RoPE table once; later calls with the same sizes are free.
+        Every layer's cache is a view of kv_storage (copy_slots moves entries in all of them at once)."""
         if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
+            if not self._caches_are_views():  # .to() or .float() after setup copied each buffer apart
+                for layer, storage in zip(self.layers, self.kv_storage):
+                    layer.attention.kv_cache = KVCache(storage)
             return
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         c = self.config
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
-        for layer in self.layers:  # the layer's own KV heads: a tensor-parallel rank holds some of them (tp.py)
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, layer.attention.n_local_heads,
-                                               c.head_dim, dtype).to(device)
+        kv_heads = self.layers[0].attention.n_local_heads  # this rank's share under tensor parallelism (tp.py)
+        self.register_buffer("kv_storage", torch.zeros(c.n_layer, 2, max_batch_size, kv_heads, max_seq_length,
+                                                       c.head_dim, dtype=dtype, device=device), persistent=False)
+        for layer, storage in zip(self.layers, self.kv_storage):
+            layer.attention.kv_cache = KVCache(storage)
         cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def _caches_are_views(self) -> bool:
+        first = self.layers[0].attention.kv_cache.k_cache
+        return first.device == self.kv_storage.device and first.data_ptr() == self.kv_storage.data_ptr()
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
                 mask=None, return_features: bool = False, layer_ids=(), kv_len: Optional[int] = None):
@@ -314,20 +329,23 @@ _tree_kernel = None
 
 def set_attention_backend(backend: str, device="cuda") -> str:
     """"sdpa": SDPA over dense masks everywhere; "triton": the fused tree kernel for TreeMasks;
-    "auto": triton when device is CUDA and triton imports, else sdpa. Returns the backend chosen."""
+    "auto": triton when device is CUDA and tree_attention imports, else sdpa. Returns the backend chosen."""
     global _tree_kernel
     if backend not in ("auto", "sdpa", "triton"):
         raise ValueError(f"attention backend must be auto, sdpa or triton, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if str(device).startswith("cuda") and importlib.util.find_spec("triton") else "sdpa"
     _tree_kernel = None
-    if backend == "triton":
-        try:
-            import tree_attention
-        except ImportError as e:
-            raise ValueError(f"the triton attention backend needs triton (Linux x86-64 with CUDA): {e}") from None
-        _tree_kernel = tree_attention
-    return backend
+    if backend == "sdpa" or (backend == "auto" and not str(device).startswith("cuda")):
+        return "sdpa"
+    try:
+        import tree_attention
+    except (ImportError, AttributeError) as e:  # AttributeError: a Triton too old for what the kernel uses
+        if backend == "auto":
+            print(f"--attention auto: the triton kernel is unavailable ({type(e).__name__}: {e}); using sdpa",
+                  file=sys.stderr)
+            return "sdpa"
+        raise ValueError(f"the triton attention backend needs triton (Linux x86-64 with CUDA): {e}") from None
+    _tree_kernel = tree_attention
+    return "triton"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:

@@ -38,9 +38,27 @@ from torch import Tensor
 
 from model import Experts
 
+# The W8A16 Triton kernel for several rows on CUDA (without Triton those rows take the cast).
+# Imported only where CUDA is: Triton decorates its own library when it is first imported, and a
+# CPU process that imported it before setting TRITON_INTERPRET=1 (as the tests do) could not run
+# any kernel in the interpreter.
+int8_matmul = None
+if torch.cuda.is_available():
+    try:
+        from int8_matmul import int8_matmul
+    except (ImportError, AttributeError):
+        pass
+
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept, on CPU and CUDA alike
 INT4_N_MULTIPLE = 16  # the CPU packing needs out_features % 16 == 0 (CUDA: % 8); rows are padded to it
 CPU_INT8_KERNEL_ROWS = 16  # up to this many rows, int8 layers on CPU use aten._weight_int8pack_mm
+# On CUDA, int8 layers give 2 .. CUDA_INT8_KERNEL_ROWS rows to int8_matmul.py's kernel, which reads
+# the int8 weight once; one row (Inductor's fused GEMV reads int8 already) and more rows (a
+# prefill: arithmetic-bound, cuBLAS) take the cast. int4 layers give up to CUDA_INT4_KERNEL_ROWS
+# rows to torch's int4 kernel and dequantize for cuBLAS beyond (WeightOnlyInt4Linear.forward).
+# Both to be tuned on the GPU (scripts/tune_kernels.py).
+CUDA_INT8_KERNEL_ROWS = 128
+CUDA_INT4_KERNEL_ROWS = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,11 +98,16 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         scales = self.scales.to(x.dtype)
-        if x.is_cpu and x.dtype != torch.float32 and x.numel() <= CPU_INT8_KERNEL_ROWS * self.in_features:
+        rows = x.numel() // self.in_features
+        if x.is_cpu and x.dtype != torch.float32 and rows <= CPU_INT8_KERNEL_ROWS:
             # torch's CPU kernel for int8 weights reads them as they are: measured 2-5x faster than
             # casting the weight for a few rows (a decode step, a draft level), slower for many rows
             # (tree verification) and in float32.
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        elif x.is_cuda and int8_matmul is not None and 1 < rows <= CUDA_INT8_KERNEL_ROWS:
+            # several rows on CUDA: cuBLAS would need the weight cast to x.dtype first, every call
+            y = int8_matmul(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             # gpt-fast's form: the int8 -> x.dtype cast (exact) fuses into the matmul's weight load
@@ -244,10 +267,14 @@ class WeightOnlyInt4Linear(nn.Module):
         return m
 
     def pack(self):
-        """Repack the nibbles for the kernel of the device they are on (after .to(device, dtype))."""
+        """Repack the nibbles for the kernel of the device they are on (after .to(device, dtype)).
+        On CUDA the nibbles stay too, for more rows than the kernel takes well (forward): the
+        layer's int4 weight twice, never a float copy."""
         if self.packed_for is not None:
             return
         pack, self._matmul, dtype = int4_kernel(self.weight.device)
+        if self.weight.is_cuda:
+            self.register_buffer("nibbles", self.weight, persistent=False)
         self.weight = pack(self.weight)
         if dtype is not None:
             self.scales_and_zeros = self.scales_and_zeros.to(dtype)
@@ -261,7 +288,15 @@ class WeightOnlyInt4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
         if self.in_padded != self.in_features:
             x2 = F.pad(x2, (0, self.in_padded - self.in_features))
-        y = self._matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
+        if x.is_cuda and x2.size(0) > CUDA_INT4_KERNEL_ROWS:
+            # torch's int4 kernel reads every weight again for each 16-row tile (ceil(M / 16) x 0.5
+            # bytes per weight); dequantizing (Inductor fuses it into one kernel) and cuBLAS read
+            # the nibbles once and write and read a bf16 weight (~4.5 bytes per weight): by bytes
+            # the kernel wins up to ~128 rows, a prefill is better off here.
+            w = dequantize_int4(unpack_nibbles(self.nibbles), self.scales_and_zeros, self.groupsize)
+            y = F.linear(x2, w.to(x2.dtype))[:, :self.out_features]
+        else:
+            y = self._matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
         y = y.to(x.dtype).reshape(*shape, self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree
-from model import Transformer, TreeMask
+from model import Transformer, TreeMask, copy_slots
 from sampling import cut_at_stop, logits_to_probs, sample, sample_from
 from tree import Tree
 
@@ -171,42 +171,60 @@ class Speculator(nn.Module):
         self.done.copy_(torch.isin(root, self.stop_ids) | (max_new_tokens <= 1))
 
     def round(self):
-        """One speculative round over all rows; rows that are done are left as they are."""
-        target, draft = self.target, self.draft
+        """One speculative round over all rows; rows that are done are left as they are. Its phases
+        are methods of their own so that scripts/profile_round.py can time each; compiled, the
+        round is still one graph (they are traced inline)."""
+        root_hidden = self.catch_up()
+        tree = self.grow(root_hidden)
+        logits, features = self.verify(tree)
+        node, n_accepted, bonus = accept(tree, logits, *self.sampling)  # the path to node, then the target's token
+        path = self.compact(tree, node)
+        self.advance(tree, path, n_accepted, bonus, features)
+
+    def catch_up(self) -> Tensor:
+        """The draft reads the pairs accepted last round, at positions L - cu_count ... (unused
+        trailing entries are overwritten later). Returns its output at the root [B, dim], which
+        predicts the root's children."""
         B, device = self.root.size(0), self.root.device
-        rows, steps = torch.arange(B, device=device), torch.arange(self.depth + 1, device=device)
-        L = self.prefix_len
+        steps = torch.arange(self.depth + 1, device=device)
+        hidden = self.draft(self.target.tok_embeddings(self.cu_tokens), self.cu_features,
+                            (self.prefix_len - self.cu_count)[:, None] + steps)
+        return hidden[torch.arange(B, device=device), self.cu_count - 1]
 
-        # 1. Draft catch-up on the pairs accepted last round, at positions L - cu_count ... (unused
-        #    trailing entries are overwritten later). Its output at the root predicts the root's children.
-        hidden = draft(target.tok_embeddings(self.cu_tokens), self.cu_features, (L - self.cu_count)[:, None] + steps)
-        root_hidden = hidden[rows, self.cu_count - 1]
-
-        # 2. Grow the tree of guesses.
+    def grow(self, root_hidden: Tensor) -> Tree:
+        """The tree of guesses."""
+        target, draft = self.target, self.draft
         if self.static is None:
-            tree = grow_dynamic_tree(draft, target.tok_embeddings, target.output, self.root, root_hidden, L,
-                                     self.tree_top_k, self.depth, self.n_nodes)
-        else:
-            tree = grow_static_tree(draft, target.tok_embeddings, target.output, self.static, self.root, root_hidden, L)
+            return grow_dynamic_tree(draft, target.tok_embeddings, target.output, self.root, root_hidden,
+                                     self.prefix_len, self.tree_top_k, self.depth, self.n_nodes)
+        return grow_static_tree(draft, target.tok_embeddings, target.output, self.static, self.root, root_hidden,
+                                self.prefix_len)
 
-        # 3. Verify: one target forward over all nodes, kept in the last n_nodes slots of its cache.
+    def verify(self, tree: Tree):
+        """One target forward over all nodes, kept in the last n_nodes slots of its cache. Returns the
+        logits at every node and what the draft reads there (its features)."""
+        target, L = self.target, self.prefix_len
         region_start = target.max_seq_length - self.n_nodes
         logits, final, layer_inputs = target(
-            tree.tokens, L[:, None] + tree.depth, region_start + torch.arange(self.n_nodes, device=device),
-            TreeMask(L, tree.ancestors), return_features=True, layer_ids=draft.layer_ids)
-        features = draft.select_features(final, layer_inputs)  # what the draft reads at each node
+            tree.tokens, L[:, None] + tree.depth, region_start + torch.arange(self.n_nodes, device=L.device),
+            TreeMask(L, tree.ancestors), return_features=True, layer_ids=self.draft.layer_ids)
+        return logits, self.draft.select_features(final, layer_inputs)
 
-        # 4. Accept: the path to `node` (n_accepted guesses), then the target's own next token.
-        node, n_accepted, bonus = accept(tree, logits, *self.sampling)
-        path = tree.paths[rows, node]  # [B, depth + 1]: root, accepted nodes, then -1
+    def compact(self, tree: Tree, node: Tensor) -> Tensor:
+        """Copy the accepted nodes' K/V from the tree region to the slots after the prefix, in every
+        layer at once. Returns the accepted path [B, depth + 1]: root, accepted nodes, then -1."""
+        B, device = node.size(0), node.device
+        path = tree.paths[torch.arange(B, device=device), node]
+        region_start = self.target.max_seq_length - self.n_nodes
+        copy_slots(self.target.kv_storage, region_start + path.clamp(min=0),
+                   self.prefix_len[:, None] + torch.arange(self.depth + 1, device=device))
+        return path
 
-        # 5. Copy the accepted nodes' K/V from the tree region to the slots after the prefix.
-        src, dst = region_start + path.clamp(min=0), L[:, None] + steps
-        for layer in target.layers:
-            layer.attention.kv_cache.copy_slots(src, dst)
-
-        # 6. New tokens: the accepted guesses then the bonus token; they are also the draft's next
-        #    catch-up input, paired with the target's true features at root, node 1, ..., node m.
+    def advance(self, tree: Tree, path: Tensor, n_accepted: Tensor, bonus: Tensor, features: Tensor):
+        """The new tokens: the accepted guesses, then the bonus token. They are also the draft's next
+        catch-up input, paired with the target's true features at root, node 1, ..., node m."""
+        B, device = path.size(0), path.device
+        rows, steps = torch.arange(B, device=device), torch.arange(self.depth + 1, device=device)
         guessed = tree.tokens.gather(1, path[:, 1:].clamp(min=0))
         new_tokens = torch.cat([guessed, guessed[:, :1]], 1).scatter(1, n_accepted[:, None], bonus[:, None])
         n_new = n_accepted + 1
@@ -276,7 +294,8 @@ def choose_tree_tokens(step_s: float, rounds: dict, min_speedup: float = AUTO_MI
 
 @torch.no_grad()
 def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TREE_SIZES, *, tree_top_k: int = 10,
-                       tree_depth: int = 6, n_rounds: int = 3, temperature: float = 0.0, top_k=None, top_p=None):
+                       tree_depth: int = 6, n_rounds: int = 3, temperature: float = 0.0, top_k=None, top_p=None,
+                       cuda_graphs: bool = False):
     """Eager timings for choose_tree_tokens on this hardware: (seconds per vanilla decode step,
     {T: (seconds per round, tokens per round)}) for the EAGLE-2 tree sizes in `sizes` that
     tree_top_k and tree_depth allow, smallest first. Each size runs n_rounds + 1 rounds from the
@@ -287,13 +306,19 @@ def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TRE
     kernels (a GPU), it overstates what a round costs more than what a step does, which errs
     toward vanilla. On a 2-core CPU the opposite was measured (a compiled round cost 3.1 steps,
     an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little.
+
+    cuda_graphs (for a compiled run on CUDA, where eager mode is launch-bound and would bias the
+    choice toward no tree): time replays of the eager step and of each size's round captured in
+    a CUDA graph (cuda_graph): the kernels eager mode launches, without the launch overhead that
+    a compiled run's CUDA graph removes too, and without compiling every size.
+
     Under tensor parallelism every rank takes rank 0's timings (tp.from_rank0), so that all stop at
     the same size and choose the same one: a rank that ran one round more than the others would
     leave its all-reduces unanswered."""
     device, L = str(prompt.device), prompt.size(1)
     sampling = (temperature, top_k, top_p)
     most = 1 + tree_top_k + (tree_depth - 1) * tree_top_k ** 2
-    budget = (n_rounds + 1) * (tree_depth + 1) + 1  # more than the rounds can emit: no row stops
+    budget = (n_rounds + 2) * (tree_depth + 1) + 1  # more than the rounds (and a warm-up) can emit: no row stops
 
     def median_seconds(fn):
         times = []
@@ -309,34 +334,37 @@ def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TRE
     token = sample(model(prompt, torch.arange(L, device=prompt.device))[:, -1], *sampling)
     input_pos = torch.tensor([L], device=prompt.device)
 
-    def step():  # one vanilla decode step, as generate.decode_one_token
-        nonlocal token
-        token = sample(model(token[:, None], input_pos)[:, -1], *sampling)
+    def step():  # one vanilla decode step, as generate.decode_one_token (in place: a CUDA graph replays it)
+        token.copy_(sample(model(token[:, None], input_pos)[:, -1], *sampling))
         input_pos.add_(1)
 
-    step_s = tp.from_rank0(median_seconds(step))
+    step_s = tp.from_rank0(median_seconds(cuda_graph(step) if cuda_graphs else step))
     rounds = {}
     for T in sorted(T for T in sizes if 2 <= T <= most):
         spec = Speculator(model, draft, tree_top_k=tree_top_k, tree_depth=tree_depth, tree_tokens=T,
                           temperature=temperature, top_k=top_k, top_p=top_p)
         spec.setup(1, L + budget + 2 * (tree_depth + 1))
         spec.prefill(prompt, budget)
-        seconds = tp.from_rank0(median_seconds(spec.round))
-        rounds[T] = (seconds, (int(spec.n_out[0]) - 1) / (n_rounds + 1))
+        round_fn = cuda_graph(spec.round) if cuda_graphs else spec.round
+        emitted = int(spec.n_out[0])  # (cuda_graph ran a warm-up round)
+        seconds = tp.from_rank0(median_seconds(round_fn))
+        rounds[T] = (seconds, (int(spec.n_out[0]) - emitted) / (n_rounds + 1))
         if (tree_depth + 1) * step_s / seconds < AUTO_MIN_SPEEDUP:
             break
     return step_s, rounds
 
 
 def auto_tree_tokens(model: Transformer, draft, prompt_ids, *, tree_top_k: int = 10, tree_depth: int = 6,
-                     **sampling) -> Optional[int]:
+                     cuda_graphs: bool = False, **sampling) -> Optional[int]:
     """--tree_tokens auto: measure (a few seconds), choose, and say what was chosen and why.
-    Returns the tree size, or None for vanilla decoding."""
+    Returns the tree size, or None for vanilla decoding. cuda_graphs: as measure_tree_costs, for
+    a compiled run on CUDA."""
     if not prompt_ids:
         raise ValueError("--tree_tokens auto measures on a prompt; none was given")
     prompt = torch.tensor([list(prompt_ids)], device=model.norm.weight.device)
     t = time.perf_counter()
-    step_s, rounds = measure_tree_costs(model, draft, prompt, tree_top_k=tree_top_k, tree_depth=tree_depth, **sampling)
+    step_s, rounds = measure_tree_costs(model, draft, prompt, tree_top_k=tree_top_k, tree_depth=tree_depth,
+                                        cuda_graphs=cuda_graphs, **sampling)
     choice, predicted = choose_tree_tokens(step_s, rounds)
     print(f"--tree_tokens auto: measured for {time.perf_counter() - t:.1f} s; a vanilla step takes {step_s * 1e3:.1f} ms",
           file=sys.stderr)
@@ -359,11 +387,51 @@ def device_sync(device: str):
         torch.cuda.synchronize(device)
 
 
-def compile_round(spec: Speculator, compile_prefill: bool):
-    """One speculative round as one graph. dont_skip_tracing: torch._dynamo skips any module whose
-    import name is "tree" (it takes it for the dm-tree library), and that would be our tree.py."""
-    spec.round = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), mode="reduce-overhead", fullgraph=True)
-    if compile_prefill:
-        spec.prefill = torch.compile(spec.prefill, fullgraph=True, dynamic=True)
+def cuda_graph(fn: Callable[[], None]) -> Callable[[], None]:
+    """fn, which must touch its tensors in place and never sync with the host (a round, a decode
+    step), run once to warm up and captured in a CUDA graph; calling the result replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: lazy initialisation, the allocator
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# Inductor settings of a round, given as options because torch.compile takes a mode or options,
+# not both. "triton.cudagraphs" is all that mode="reduce-overhead" sets (torch._inductor.
+# list_mode_options): on CUDA the round replays as one CUDA graph. Coordinate-descent tuning, which
+# generate.compile_decoding keeps for the small one-token step as gpt-fast does, is off: it tunes
+# every kernel of a ~1-2k-node round, and compile time explodes. The FX graph cache lets a second
+# process (another method, a rerun) load a round it has compiled before.
+ROUND_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": False, "fx_graph_cache": True}
+PREFILL_OPTIONS = {"coordinate_descent_tuning": False, "fx_graph_cache": True}
+
+
+def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
+    """One speculative round as one graph: fullgraph (a graph break would split it around a host
+    sync) and dynamic=False (every shape of a round is fixed by the Speculator; a dynamic-shape
+    graph would specialise less and recompile where a static one need not).
+
+    dont_skip_tracing: torch._dynamo skips any module whose import name is "tree" (it takes it for
+    the dm-tree library), and that would be our tree.py.
+
+    Every Speculator compiles its own graph of the same code (Speculator.round), and dynamo keeps
+    at most torch._dynamo.config.recompile_limit (8) graphs per code object: a process that
+    compiles more rounds (methods x temperatures x tree sizes) raises the limit, as
+    scripts/benchmark.py does, or runs one method per process, as scripts/gpu_check.sh does.
+    backend: torch.compile's; the tests pass one that inspects the graph."""
+    if not hasattr(torch._dynamo, "dont_skip_tracing"):  # added in torch 2.8
+        raise RuntimeError(f"compiling a round needs torch >= 2.8 (torch._dynamo.dont_skip_tracing), this is "
+                           f"torch {torch.__version__}: upgrade torch or run without --compile")
+    inductor = backend == "inductor"
+    spec.round = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), backend=backend, fullgraph=True,
+                               dynamic=False, options=ROUND_OPTIONS if inductor else None)
+    if compile_prefill:  # prompts vary in length: dynamic shapes, no CUDA graphs
+        spec.prefill = torch.compile(spec.prefill, backend=backend, fullgraph=True, dynamic=True,
+                                     options=PREFILL_OPTIONS if inductor else None)
     return spec
 

@@ -10,16 +10,24 @@ and never to the slots in between. A dense [B, T, S] mask plus SDPA reads a mask
 cache; this kernel reads prefix_len (a device tensor: the kernel loops up to it, the host never
 looks, so one launch fits in the CUDA graph of a round) and the small [B, T, R] mask.
 
-Layout of the work, one program per (batch row, KV head, block of query rows, prefix split):
-  * GQA: the H // KV query heads that share a KV head are stacked as rows of one block, so a K/V
-    block is read once for all of them (never a repeated K/V tensor). Row r of the stack is query
-    head kv * G + r // T, tree node r % T.
+Layout of the work, one program per (block of query rows, prefix split, batch row and KV head):
+  * GQA: the G = H // KV query heads that share a KV head are stacked as rows of one block, so a
+    K/V block is read once for all of them (never a repeated K/V tensor). Row r of the stack is
+    query head kv * G + r // T, tree node r % T. Up to MAX_BLOCK_M rows make one block (LLaMA-3:
+    4 * 60 = 240 rows, two blocks); the row blocks of one KV head and split are launched next to
+    each other (program id 0 varies fastest), so they read the same K/V blocks at about the same
+    time and all but the first find them in L2.
   * online softmax over the program's share of the prefix in BLOCK_N-slot blocks, then over the
     region with the mask; fp32 accumulation whatever the input dtype.
   * split-K: with few programs (one KV head per row at batch 1 leaves most SMs idle) the prefix is
-    cut into n_splits equal shares of prefix_len; each share writes a normalised partial output and
-    its log-sum-exp, and a few torch ops merge them. n_splits comes from the shapes only.
+    cut into up to n_splits shares. The count comes from the launch (num_splits: enough programs
+    to fill the GPU); the share size comes from the live prefix, on the device: equal shares of
+    prefix_len, but at least MIN_SPLIT_SLOTS slots each, so a short prefix in a big cache uses one
+    or two shares and the others are empty: they read nothing, write nothing, and the merge
+    kernel skips them. Each non-empty share writes a normalised partial output and its
+    log-sum-exp; _merge_kernel combines them.
 """
+import os
 from typing import Optional
 
 import torch
@@ -30,23 +38,28 @@ from torch import Tensor
 
 from tree import tree_attention_mask
 
-# triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when this module is
-# imported: then the kernel runs in triton's interpreter (NumPy, any device), as the tests do on
-# a CPU. Otherwise it is compiled and needs CUDA tensors.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+# Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when this module is
+# imported: then the kernels run in its interpreter (NumPy, any device), as the tests do on a CPU.
+# Otherwise they are compiled and need CUDA tensors. Read from the environment with the values
+# Triton accepts, not from triton.knobs, which exists from Triton 3.4 on only.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
-# Launch constants, chosen for Hopper (H100) and still to be tuned there. BLOCK_M = 64 rows and 4
-# warps (one warpgroup) is the smallest tile of Hopper's wgmma; 64 slots per K/V block keeps a bf16
-# K and V block at 16 KiB each for head_dim 128, so two pipeline stages fit in shared memory easily.
+# Launch constants, chosen for Hopper (H100) and still to be tuned there: they are read at every
+# call, so scripts/tune_kernels.py sweeps them by setting these module attributes.
+# BLOCK_N = 64 slots per K/V block keeps a bf16 K and V block at 16 KiB each for head_dim 128, so
+# two pipeline stages fit in shared memory easily. Query blocks are 16 to MAX_BLOCK_M rows (tl.dot
+# wants >= 16), with WARPS_PER_64_ROWS warps per 64 rows: one warpgroup, Hopper's wgmma tile.
 BLOCK_N = 64
-NUM_WARPS = 4
+MAX_BLOCK_M = 128
+WARPS_PER_64_ROWS = 4
 NUM_STAGES = 2
-# Split the prefix until about this many programs run (an H100 has 132 SMs), but give every split
-# at least MIN_SPLIT_SLOTS cache slots: below that its fixed costs (loading q, writing a partial
-# output, the merge) outweigh the parallelism it adds.
+# Split the prefix until about TARGET_PROGRAMS programs run (an H100 has 132 SMs), at most
+# MAX_SPLITS ways, and never into shares smaller than MIN_SPLIT_SLOTS cache slots: below that
+# a share's fixed costs (loading q, writing a partial output, the merge) outweigh the parallelism.
 TARGET_PROGRAMS = 132
 MIN_SPLIT_SLOTS = 512
 MAX_SPLITS = 16
+MERGE_BLOCK_ROWS = 16  # (tree node, head) rows per program of the merge
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible: Tensor) -> Tensor:
@@ -60,47 +73,53 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible:
     """q [B, H, T, D]; k, v [B, KV, S, D] (the static cache, H a multiple of KV); prefix_len [B]
     integer; visible [B, T, R] bool over the last R slots of the cache. Returns [B, H, T, D] in q's
     dtype, softmax scale 1 / sqrt(D) as SDPA. A query that sees no slot at all gets zeros (as SDPA).
-    n_splits: how many shares the prefix is cut into; default from the shapes (num_splits)."""
+    n_splits: the most shares the prefix is cut into; default from the launch (num_splits)."""
     _check(q, k, v, prefix_len, visible)
     B, H, T, D = q.shape
     KV, S, R = k.size(1), k.size(2), visible.size(-1)
     q, k, v = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
-    rows = (H // KV) * T  # query rows that share one KV head
-    block_m = min(64, _pow2_at_least(rows))
-    m_blocks = -(-rows // block_m)
+    G = H // KV
+    block_m = min(MAX_BLOCK_M, _pow2_at_least(G * T))
+    m_blocks = -(-G * T // block_m)
     if n_splits is None:
         n_splits = num_splits(B * KV * m_blocks, S - R)
     if n_splits < 1:
         raise ValueError(f"n_splits must be >= 1, got {n_splits}")
     # Outputs are [B, T, H, D] in memory and handed back as [B, H, T, D] views: the caller's
     # transpose(1, 2).reshape(B, T, H * D) is then free. With split-K the kernel writes each share's
-    # normalised partial output in float32 and its log-sum-exp, merged below.
-    out = torch.empty(n_splits, B, T, H, D, dtype=q.dtype if n_splits == 1 else torch.float32, device=q.device)
-    lse = torch.empty(n_splits, B, T, H, dtype=torch.float32, device=q.device)
-    visible = visible.view(torch.uint8)  # triton loads bytes; a bool is one byte
-    _tree_attention_kernel[(B * KV, m_blocks, n_splits)](
-        q, k, v, prefix_len, visible, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], prefix_len.stride(0), *visible.stride(),
-        out.stride(0), out.stride(1), out.stride(3), out.stride(2),  # share, b, h, t
-        lse.stride(0), lse.stride(1), lse.stride(3), lse.stride(2),
-        KV, H // KV, T, S, R, D, D ** -0.5,
-        N_SPLITS=n_splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=_pow2_at_least(D),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+    # normalised partial output in float32 and its log-sum-exp, and _merge_kernel combines them.
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if n_splits == 1:
-        return out[0].transpose(1, 2)
-    # Merge: out = sum_j exp(lse_j - lse) * out_j with lse = log sum_j exp(lse_j). A query that saw
-    # nothing has lse = -inf in every share and all-zero partials: keep its weights finite (zero).
-    total = lse.logsumexp(0)
-    weight = (lse - total.masked_fill(total == float("-inf"), 0.0)).exp()
-    return (weight[..., None] * out).sum(0).to(q.dtype).transpose(1, 2)
+        partial, lse = out[None], torch.empty(1, B, T, H, dtype=torch.float32, device=q.device)
+    else:
+        partial = torch.empty(n_splits, B, T, H, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(n_splits, B, T, H, dtype=torch.float32, device=q.device)
+    split_consts = dict(N_SPLITS=n_splits, MIN_SHARE=MIN_SPLIT_SLOTS, BLOCK_N=BLOCK_N)
+    _tree_attention_kernel[(m_blocks, n_splits, B * KV)](
+        q, k, v, prefix_len, visible, partial, lse,  # visible goes as it is, bool (*i1): one byte each
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], prefix_len.stride(0), *visible.stride(),
+        partial.stride(0), partial.stride(1), partial.stride(3), partial.stride(2),  # share, b, h, t
+        lse.stride(0), lse.stride(1), lse.stride(3), lse.stride(2),
+        KV, G, T, S, R, D ** -0.5,
+        D=D, BLOCK_M=block_m, BLOCK_D=_pow2_at_least(D), **split_consts,
+        num_warps=WARPS_PER_64_ROWS * max(1, block_m // 64), num_stages=NUM_STAGES,
+    )
+    if n_splits > 1:
+        rows = T * H  # partial, lse and out are contiguous: (node, head) rows of D values
+        _merge_kernel[(triton.cdiv(rows, MERGE_BLOCK_ROWS), B)](
+            partial, lse, prefix_len, out, partial.stride(0), partial.stride(1), lse.stride(0), lse.stride(1),
+            prefix_len.stride(0), out.stride(0), rows, S, R,
+            D=D, BLOCK_D=_pow2_at_least(D), BLOCK_R=MERGE_BLOCK_ROWS, **split_consts,
+        )
+    return out.transpose(1, 2)
 
 
 def num_splits(programs: int, prefix_slots: int) -> int:
-    """How many shares to cut the prefix into, from the shapes: enough to bring `programs` (one per
-    batch row, KV head and query block) up to about TARGET_PROGRAMS, as long as every share of a
-    full cache has MIN_SPLIT_SLOTS slots."""
-    return max(1, min(TARGET_PROGRAMS // programs, prefix_slots // MIN_SPLIT_SLOTS, MAX_SPLITS))
+    """The most shares to cut the prefix into, from the launch: enough to bring `programs` (one
+    per batch row, KV head and query block) up to about TARGET_PROGRAMS, and no more than a full
+    cache of prefix_slots slots can fill with shares of MIN_SPLIT_SLOTS. How many of them get work
+    is decided on the device, from the live prefix length."""
+    return max(1, min(TARGET_PROGRAMS // programs, -(-prefix_slots // MIN_SPLIT_SLOTS), MAX_SPLITS))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -134,6 +153,17 @@ def _check(q, k, v, prefix_len, visible):
 
 
 @triton.jit
+def _prefix_share(PrefixLen, b, stride_p, S, R,
+                  N_SPLITS: tl.constexpr, MIN_SHARE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(prefix_end, share): the live prefix of row b, never reaching into the region (a larger
+    prefix_len is clamped, as in the dense mask), and the slots of each split's share of it:
+    equal shares, at least MIN_SHARE, whole blocks. Both kernels derive the shares from this."""
+    prefix_end = tl.minimum(tl.load(PrefixLen + b * stride_p).to(tl.int32), S - R)
+    share = tl.maximum(tl.cdiv(prefix_end, N_SPLITS), MIN_SHARE)
+    return prefix_end, tl.cdiv(share, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, slots, slot_ok, seen, d, d_ok, qk_scale):
     """One online-softmax step over a block of cache slots. seen [BLOCK_M, BLOCK_N] (or [1, BLOCK_N])
     says which (row, slot) pairs count; m_i is the running maximum in log2 units, l_i the running sum."""
@@ -157,16 +187,17 @@ def _tree_attention_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_p, stride_mb, stride_mt, stride_mr,
     stride_os, stride_ob, stride_oh, stride_ot, stride_ls, stride_lb, stride_lh, stride_lt,
-    KV, G, T, S, R, D, sm_scale,
-    N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV, G, T, S, R, sm_scale,
+    D: tl.constexpr, N_SPLITS: tl.constexpr, MIN_SHARE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    bkv, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m_block, split, bkv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = (bkv // KV).to(tl.int64), bkv % KV  # int64: b * stride_kb passes 2**31 for large caches
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked (query head in the group, tree node)
     row_ok = rows < G * T
     head, node = kv * G + rows // T, rows % T
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    d_ok = d < D  # all true, and folded away, when D is a power of two
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + node[:, None] * stride_qt + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base, v_base = K + b * stride_kb + kv * stride_kh, V + b * stride_vb + kv * stride_vh
@@ -176,10 +207,8 @@ def _tree_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # This split's share of the prefix: equal shares of prefix_len, whole blocks each. The prefix
-    # never reaches into the region (a prefix_len beyond it is clamped, as in the dense mask).
-    prefix_end = tl.minimum(tl.load(PrefixLen + b * stride_p).to(tl.int32), S - R)
-    share = tl.cdiv(tl.cdiv(prefix_end, N_SPLITS), BLOCK_N) * BLOCK_N
+    # This split's share of the live prefix (empty when the prefix is short: the loop does not run).
+    prefix_end, share = _prefix_share(PrefixLen, b, stride_p, S, R, N_SPLITS, MIN_SHARE, BLOCK_N)
     start = split * share
     end = tl.minimum(start + share, prefix_end)
     for n0 in range(start, end, BLOCK_N):
@@ -189,7 +218,8 @@ def _tree_attention_kernel(
                                 slot_ok[None, :], d, d_ok, qk_scale)
 
     # The tree region, masked, in the last split (a few dozen slots: one or two blocks).
-    if split == N_SPLITS - 1:
+    last = split == N_SPLITS - 1
+    if last:
         for r0 in range(0, R, BLOCK_N):
             cols = r0 + tl.arange(0, BLOCK_N)
             col_ok = cols < R
@@ -198,11 +228,48 @@ def _tree_attention_kernel(
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, S - R + cols, col_ok,
                                     seen, d, d_ok, qk_scale)
 
-    # Normalise; a row that saw nothing (l = 0, m = -inf) gets zeros and lse = -inf.
+    # Normalise; a row that saw nothing (l = 0, m = -inf) gets zeros and lse = -inf. An empty share
+    # stores nothing: _merge_kernel knows it is empty and never reads it. (tl.where rather than
+    # row_ok & scalar: Triton's interpreter makes a mask it rejects of a vector & a scalar.)
+    store = tl.where((start < prefix_end) | last, row_ok, False)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_ptrs = (Out + split * stride_os + b * stride_ob + head[:, None] * stride_oh + node[:, None] * stride_ot
               + d[None, :])
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=store[:, None] & d_ok[None, :])
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # back to natural log
-    tl.store(Lse + split * stride_ls + b * stride_lb + head * stride_lh + node * stride_lt, lse, mask=row_ok)
+    tl.store(Lse + split * stride_ls + b * stride_lb + head * stride_lh + node * stride_lt, lse, mask=store)
+
+
+@triton.jit
+def _merge_kernel(
+    Partial, Lse, PrefixLen, Out, stride_ps, stride_pb, stride_ls, stride_lb, stride_p, stride_ob, ROWS, S, R,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    N_SPLITS: tl.constexpr, MIN_SHARE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out = sum_j exp(lse_j - lse) * out_j over the non-empty shares j, lse = log sum_j exp(lse_j).
+    One program per block of BLOCK_R (node, head) rows of one batch row; partial [N_SPLITS, B,
+    ROWS, D], lse [N_SPLITS, B, ROWS] and out [B, ROWS, D] are contiguous in their last dims."""
+    r_block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < ROWS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    prefix_end, share = _prefix_share(PrefixLen, b, stride_p, S, R, N_SPLITS, MIN_SHARE, BLOCK_N)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for j in range(N_SPLITS):
+        read = tl.where((j * share < prefix_end) | (j == N_SPLITS - 1), row_ok, False)  # what was stored
+        lse_j = tl.load(Lse + j * stride_ls + b * stride_lb + rows, mask=read, other=float("-inf"))
+        out_j = tl.load(Partial + j * stride_ps + b * stride_pb + rows[:, None] * D + d[None, :],
+                        mask=read[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, lse_j)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: weights 0, not NaN
+        alpha, w = tl.exp(m - m_safe), tl.exp(lse_j - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * out_j
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw nothing keeps zeros
+    tl.store(Out + b * stride_ob + rows[:, None] * D + d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])

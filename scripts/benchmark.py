@@ -26,10 +26,18 @@ Writes OUT.json (one record per method x temperature x category, "overall" inclu
     python scripts/benchmark.py --random_weights --model_name llama-2-7b --compile --out benchmarks/llama-2-7b
 
 Random-weights mode builds a real-shaped model (any model.py config name) with random weights
-directly on the device, no download, and measures (a) compiled vanilla decode tok/s and the
-weight bandwidth it achieves, next to a device-to-device copy measured in the same run, (b) one
-EAGLE-2 round (random draft, depth --tree_depth) against one vanilla step for each --tree_sizes,
-and (c) the speedup those costs predict for each --tau. Writes OUT.json and OUT.md.
+directly on the device, no download (--quantize int8/int4: quantized in memory there), and
+measures (a) vanilla decode tok/s and the weight bandwidth it achieves, next to a device-to-device
+copy measured in the same run, (b) one round of each speculative method (random drafts: eagle's
+static tree, eagle2 and eagle3 at each --tree_sizes) against one vanilla step timed the same way,
+and (c) the speedup those costs predict for each --tau. Timed the same way: with --compile, the
+first --compiled_rounds rounds (the headline --tree_tokens first) and the step are compiled; the
+other rounds are replays of the eager round captured in a CUDA graph ("cuda graph": the kernels
+without their launch overhead, and no compile per size) on CUDA, eager elsewhere, each against a
+step timed in the same way. Writes OUT.json (after every measurement) and OUT.md.
+
+--time_budget SECONDS stops either mode in time (no new question, no new round; what was left out
+is recorded), and --dry_run only checks the arguments (scripts/gpu_check.sh --dry_run).
 
 Both modes run tensor-parallel under torchrun (tp.py; rank 0 writes the files, which record
 "tensor_parallel" and the weight bytes each rank holds). With --tp_timing, random-weights mode
@@ -59,14 +67,19 @@ import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
-from draft import EagleDraft, draft_config_for, dynamic_tree_slots  # noqa: E402
+from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
 from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
+from quantize import pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3")
 HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}  # which head a method runs
 PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods (vanilla stays the reference)
-DEFAULT_QUESTIONS = ROOT.parent / "shared/data/mt_bench/question.jsonl"
+RANDOM_METHODS = ("eagle", "eagle2", "eagle3")  # random-weights mode: one round of each
+# The shared data folder sits beside the checkout on the development machine and inside it on the GPU machine.
+QUESTION_FILES = [ROOT.parent / "shared/data/mt_bench/question.jsonl", ROOT / "shared/data/mt_bench/question.jsonl"]
+DEFAULT_QUESTIONS = next((f for f in QUESTION_FILES if f.is_file()), QUESTION_FILES[0])
+EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' reduced vocabulary (or the target's, if smaller)
 
 
 def parse_args(argv=None):
@@ -103,6 +116,10 @@ def parse_args(argv=None):
                    help="also run transformers' generate and its prompt-lookup decoding on the same checkpoint "
                         "(needs transformers from requirements-dev.txt)")
     p.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="--peers: hf_prompt_lookup's candidates per forward")
+    p.add_argument("--time_budget", type=float, default=None,
+                   help="seconds: start no new question (random weights: no new round) after this; recorded")
+    p.add_argument("--dry_run", action="store_true",
+                   help="check the arguments (all but the device's presence), print the plan and exit")
     r = p.add_argument_group("random-weights mode")
     r.add_argument("--random_weights", action="store_true", help="real-shaped model with random weights, no checkpoint")
     r.add_argument("--model_name", type=str, default=None, help="a model.py config, e.g. llama-2-7b, SmolLM2-135M")
@@ -115,10 +132,15 @@ def parse_args(argv=None):
                    help="under torchrun: also time the decode step without its all-reduces, and the all-reduces alone")
     p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
                    help="under torchrun: seconds a rank waits for the others before it gives up")
+    r.add_argument("--quantize", choices=["int8", "int4"], default=None, help="quantize the random target in memory")
+    r.add_argument("--groupsize", type=int, default=32, help="int4 groupsize")
+    r.add_argument("--compiled_rounds", type=int, default=None,
+                   help="with --compile: compile this many rounds, the headline first (default: all); "
+                        "the others are timed as CUDA-graph replays of the eager round (eager on a CPU)")
     args = p.parse_args(argv)
 
     errors = []
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
         errors.append(f"--device {args.device} requested but CUDA is not available")
     if args.attention == "triton" and not args.device.startswith("cuda"):
         errors.append(f"--attention triton runs on CUDA, not on --device {args.device} (use --attention sdpa)")
@@ -133,6 +155,8 @@ def parse_args(argv=None):
     if args.tp_timing and not (args.random_weights and tp.launched_by_torchrun()):
         errors.append("--tp_timing times a tensor-parallel step of --random_weights: run it under "
                       "python -m torch.distributed.run (--nproc_per_node 1 for the one-rank reference)")
+    if args.time_budget is not None and args.time_budget < 0:
+        errors.append(f"--time_budget must be >= 0 seconds, got {args.time_budget}")
     if args.random_weights:
         if args.model_name is None:
             errors.append("--random_weights needs --model_name (a config name of model.py, e.g. llama-2-7b)")
@@ -141,9 +165,17 @@ def parse_args(argv=None):
                 ModelArgs.from_name(args.model_name)
             except ValueError as e:
                 errors.append(str(e))
+        args.methods = [m for m in RANDOM_METHODS if m in (args.methods or RANDOM_METHODS)]
+        if not args.methods:
+            errors.append(f"--random_weights measures rounds of {', '.join(RANDOM_METHODS)}; --methods names none")
+        if args.tree_tokens == "auto":
+            errors.append("--random_weights measures fixed tree sizes: give --tree_tokens a number (the headline size)")
+        if args.quantize == "int4" and args.groupsize not in (32, 64, 128, 256):
+            errors.append(f"--groupsize must be 32, 64, 128 or 256, got {args.groupsize}")
     else:
-        if args.model_name is not None:
-            errors.append("--model_name names the shape of --random_weights; a checkpoint carries its own config")
+        if args.model_name is not None or args.quantize is not None:
+            errors.append("--model_name and --quantize apply to --random_weights; a checkpoint carries its own "
+                          "config and quantization")
         if not args.question_file.is_file():
             errors.append(f"--question_file not found: {args.question_file}")
         if not args.checkpoint_path.is_file():
@@ -169,7 +201,7 @@ def parse_args(argv=None):
             errors.append("--peers needs transformers: pip install -r requirements-dev.txt")
     if args.prompt_lookup_num_tokens < 1:
         errors.append(f"--prompt_lookup_num_tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
-    if not args.no_plot and not args.random_weights:
+    if not args.no_plot and not args.random_weights and not args.dry_run:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -183,6 +215,8 @@ def parse_args(argv=None):
         args.out = ROOT / "benchmarks" / name
     if args.steps is None:
         args.steps = 100 if args.device.startswith("cuda") else 10
+    if args.time_budget is None:
+        args.time_budget = float("inf")
     return args
 
 
@@ -273,7 +307,9 @@ def tree_shapes(args, model: Transformer, drafts: dict, probe_ids) -> dict:
             tokens = args.tree_tokens
             if tokens == "auto":
                 tokens = speculative.auto_tree_tokens(model, drafts[HEAD_OF[method]], probe_ids,
-                                                      tree_top_k=args.tree_top_k, tree_depth=depth, temperature=T)
+                                                      tree_top_k=args.tree_top_k, tree_depth=depth,
+                                                      cuda_graphs=args.compile and args.device.startswith("cuda"),
+                                                      temperature=T)
             shapes[method, T] = None if tokens is None else dict(tree_top_k=args.tree_top_k, tree_depth=depth,
                                                                  tree_tokens=tokens)
     return shapes
@@ -407,6 +443,7 @@ def run_mt_bench(args, argv=None) -> dict:
     for method in args.methods[1:]:
         gen.check_head("eagle3" if method == "eagle3" else "eagle2", drafts[HEAD_OF[method]], paths[HEAD_OF[method]])
     questions = load_questions(args.question_file, args.num_questions)
+    start = time.perf_counter()
 
     def conversation(q, turn, answers):  # the user turns up to `turn`, each followed by its answer
         messages = []
@@ -434,7 +471,13 @@ def run_mt_bench(args, argv=None) -> dict:
     answers, peaks = [], {key: 0.0 for key in decoders}
     total = sum(len(q["turns"]) for q in questions) * len(decoders)
     bar = tqdm(total=total, desc="MT-bench answers", unit="answer", file=sys.stderr)
+    asked = []
     for index, q in enumerate(questions):
+        if asked and time.perf_counter() - start > args.time_budget:  # (the first question is always asked)
+            print(f"--time_budget {args.time_budget:g} s reached: {len(asked)} of {len(questions)} questions asked",
+                  file=sys.stderr)
+            break
+        asked.append(q)
         for T in args.temperatures:
             replies = []  # vanilla's answers: the conversation every method continues
             for turn in range(len(q["turns"])):
@@ -481,8 +524,8 @@ def run_mt_bench(args, argv=None) -> dict:
             else shape["tree_tokens"]
     return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model),
                 drafts={head: str(paths[head]) for head in drafts},
-                question_file=str(args.question_file), questions=len(questions), max_new_tokens=args.max_new_tokens,
-                context=context, seed=args.seed, methods=method_notes(args, shapes),
+                question_file=str(args.question_file), questions=len(asked), questions_left_out=len(questions) - len(asked),
+                max_new_tokens=args.max_new_tokens, context=context, seed=args.seed, methods=method_notes(args, shapes),
                 peak_memory_note="GPU: peak allocated per method; CPU: the whole process's peak RSS, shared by all methods",
                 records=records, answers=answers)
 
@@ -523,7 +566,8 @@ def mt_bench_markdown(report: dict) -> str:
              f"attention: {report['attention']}, torch {report['torch']}",
              f"- heads: {', '.join(f'{k}: {v}' for k, v in report['drafts'].items()) or 'none'}",
              f"- {report['questions']} questions (both turns) from {Path(report['question_file']).name}, "
-             f"up to {report['max_new_tokens']} new tokens per answer",
+             f"up to {report['max_new_tokens']} new tokens per answer"
+             + (f" ({report['questions_left_out']} more left out by --time_budget)" if report["questions_left_out"] else ""),
              *[f"- {m}: {note}" for m, note in report["methods"].items()],
              f"- peak memory: {report['peak_memory_note']}", "",
              "| method | temperature | tok/s | speedup | τ | equal to vanilla | peak memory (GB) | tokens | rounds |",
@@ -575,24 +619,48 @@ def mt_bench_plot(report: dict, path: Path):
 # ---------------------------------------------------------------------------------------------
 # Random weights: roofline and round cost of a real-shaped model, no checkpoint needed
 # ---------------------------------------------------------------------------------------------
+def random_init(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A module built on the meta device, allocated directly on `device` in `dtype` (a 7B model never
+    exists in float32) and filled with random weights: norms 1, everything else N(0, 0.02^2)."""
+    module = module.to(dtype=dtype).to_empty(device=device)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return module.eval()
+
+
 def random_model(config: ModelArgs, device: str, dtype: torch.dtype, shard=None) -> Transformer:
-    """Allocated once, directly on the device in its dtype (a 7B model never exists in float32);
-    with a tp.Shard, only this rank's part. Every rank draws the same random numbers for the
+    """With a tp.Shard, only this rank's part. Every rank draws the same random numbers for the
     replicated weights (same seed, same shapes in the same order)."""
     with torch.device("meta"):
         model = Transformer(config)
     if shard is not None:
         tp.shard_model(model, shard)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = random_init(model, device, dtype)
     if config.tie_embeddings:  # to_empty made two tensors of the shared one
         model.output.weight = model.tok_embeddings.weight
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.eval()
+    return model
+
+
+def random_drafts(config: ModelArgs, methods, device: str, dtype: torch.dtype) -> dict:
+    """Random drafts for the methods: {"eagle": an EAGLE-1/2 head, "eagle3": an EAGLE-3 head with
+    a reduced vocabulary, as published}."""
+    drafts = {}
+    with torch.device("meta"):
+        if {"eagle", "eagle2"} & set(methods):
+            drafts["eagle"] = EagleDraft(draft_config_for(config))
+        if "eagle3" in methods:
+            drafts["eagle3"] = Eagle3Draft(draft_config_for(config), min(EAGLE3_DRAFT_VOCAB, config.vocab_size),
+                                           eagle3_layer_ids(config.n_layer))
+    for arch, draft in drafts.items():
+        vocab = draft.vocab if arch == "eagle3" else None  # a buffer, not a weight: to_empty would lose it
+        drafts[arch] = random_init(draft, device, dtype)
+        if vocab is not None:
+            drafts[arch].vocab = torch.arange(vocab.numel(), device=device)
+    return drafts
 
 
 def copy_bandwidth_gb_s(device: str, nbytes: int, repeats: int = 20) -> float:
@@ -621,74 +689,128 @@ def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
     return (time.perf_counter() - t) / calls
 
 
+def round_plan(args) -> list:
+    """(method, tree size) pairs in the order they are measured: the headline size of each method
+    first (what a short --time_budget or --compiled_rounds keeps), then the other sizes."""
+    dynamic = [m for m in ("eagle2", "eagle3") if m in args.methods]
+    first = [(m, args.tree_tokens) for m in dynamic] + [("eagle", 26)] * ("eagle" in args.methods)
+    rest = [(m, T) for m in dynamic for T in sorted(args.tree_sizes) if T != args.tree_tokens]
+    return first + rest
+
+
 @torch.no_grad()
 def run_random_weights(args, argv=None) -> dict:
+    start = time.perf_counter()
     device, dtype = args.device, getattr(torch, args.dtype)
+    cuda = device.startswith("cuda")
     args.attention = set_attention_backend(args.attention, device)
     config = ModelArgs.from_name(args.model_name)
     torch.manual_seed(args.seed)
     model = random_model(config, device, dtype, args.shard)
-    draft = EagleDraft(draft_config_for(config)).to(device=device, dtype=dtype).eval()
-    warmup, P, depth = 3, args.prompt_length, args.tree_depth
-    sizes = sorted(args.tree_sizes)
-    # prompt, warm-up and timed steps (a round emits at most depth + 1 tokens), then the largest tree region
-    context = P + (warmup + args.steps + 1) * (depth + 1) + 2 * (depth + 1)
-    model.setup_caches(1, context + sizes[-1])
-    draft.setup_caches(1, context + max(sizes[-1], dynamic_tree_slots(args.tree_top_k, depth)))
+    parameters = sum(p.numel() for p in model.parameters())
+    quantized = quantize_model(model, args.quantize, args.groupsize) if args.quantize else []
+    pack_int4(model)
+    drafts = random_drafts(config, args.methods, device, dtype)  # in the float dtype, also for a quantized target
+    plan = round_plan(args)
+    n_compiled = 0 if not args.compile else len(plan) if args.compiled_rounds is None else args.compiled_rounds
+    warmup, P, depth = 3, args.prompt_length, max(args.tree_depth, 5)  # 5: the static tree's depth
+    largest = max(T for _, T in plan)
+    # prompt, warm-up and timed rounds (each emits at most depth + 1 tokens; one more warm-up
+    # round before a CUDA-graph capture), room for the last round's overshoot, the tree region
+    context = P + (warmup + args.steps + 2) * (depth + 1) + 2 * (depth + 1)
+    model.setup_caches(1, context + largest)
+    for draft in drafts.values():
+        draft.setup_caches(1, context + max(largest, dynamic_tree_slots(args.tree_top_k, args.tree_depth)))
     weight_bytes = gen.model_bytes_per_token(model)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cache" in n)
-    draft_bytes = sum(t.numel() * t.element_size() for t in list(draft.parameters()) + list(draft.buffers()))
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    kv_bytes = model.kv_storage.numel() * model.kv_storage.element_size()
+    draft_bytes = sum(t.numel() * t.element_size() for d in drafts.values() for t in d.state_dict().values())
+    eager_decode = gen.decode_one_token  # compile_decoding rebinds the module's name
     if args.compile:
         allow_many_graphs()
         gen.compile_decoding(device, args.compile_prefill)
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
-    copy_bytes = (1 << 30) if device.startswith("cuda") else (256 << 20)
+    copy_bytes = (1 << 30) if cuda else (256 << 20)
     copy_gb_s = copy_bandwidth_gb_s(device, copy_bytes)
+    report = dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
+                  weights="random", quantize=args.quantize and (args.quantize if args.quantize == "int8"
+                                                                else f"int4 g{args.groupsize}"),
+                  quantized=quantized, parameters=parameters,
+                  weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
+                  tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                  memory_needed_gb=(state_bytes + kv_bytes + draft_bytes + 2 * copy_bytes) / 1e9,
+                  copy_gb_s=copy_gb_s, time_budget_s=args.time_budget, rounds=[], skipped=[],
+                  weight_bytes_per_rank=tp.weight_bytes(model))
 
-    # (a) vanilla decode: one step per call, positions after the prompt
+    def save():  # after every measurement: a run stopped from outside keeps what it measured
+        report.update(peak_memory_gb=peak_memory_gb(device), seconds=time.perf_counter() - start)
+        write_json(Path(str(args.out) + ".json"), report)
+
+    # (a) vanilla decode: one step per call, positions after the prompt, timed in each way rounds
+    # are: compiled (with --compile), and as CUDA-graph replays of the eager step (CUDA) or eager.
     prompt = torch.randint(0, config.vocab_size, (1, P), device=device)
     token = gen.prefill(model, prompt, 0.0, None, None)
     input_pos = torch.tensor([P], device=device)
 
-    def step():
-        nonlocal token
-        token = gen.decode_one_token(model, token.clone(), input_pos, 0.0, None, None)
-        input_pos.add_(1)
+    def step_with(decode):
+        def step():
+            token.copy_(decode(model, token.clone(), input_pos, 0.0, None, None))
+            input_pos.add_(1)
+        return step
 
-    step_s = seconds_per_call(step, args.steps, device, warmup)
-    decode_gb_s = weight_bytes / step_s / 1e9
-    timing = tp_step_timing(model, step, step_s, args) if args.tp_timing else None
+    cheap = "cuda graph" if cuda else "eager"  # how the rounds that are not compiled are timed
+    steps = {}
+    if args.compile:
+        t = time.perf_counter()
+        steps["compiled"] = seconds_per_call(step_with(gen.decode_one_token), args.steps, device, warmup)
+        report["vanilla_warmup_s"] = time.perf_counter() - t - steps["compiled"] * args.steps
+    if n_compiled < len(plan):
+        eager = step_with(eager_decode)
+        steps[cheap] = seconds_per_call(speculative.cuda_graph(eager) if cuda else eager, args.steps, device, warmup)
+    main = steps.get("compiled", steps.get(cheap))
+    report["vanilla"] = dict(tokens_per_s=1 / main, step_ms=main * 1e3, gb_s=weight_bytes / main / 1e9,
+                             fraction_of_copy=weight_bytes / main / 1e9 / copy_gb_s, timing=next(iter(steps)),
+                             step_ms_by_timing={k: v * 1e3 for k, v in steps.items()})
+    save()
+    tp_timing = tp_step_timing(model, step_with(gen.decode_one_token if args.compile else eager_decode), main, args) \
+        if args.tp_timing else None
 
-    # (b) one EAGLE-2 round per tree size: draft catch-up and growth, verify, accept, compaction
-    rounds = []
-    for T in sizes:
-        spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=depth, tree_tokens=T)
+    # (b) one round per (method, size): draft catch-up and growth, verify, accept, compaction
+    statics = {"eagle": static_tree(mc_sim_7b_63)}
+    for i, (method, T) in enumerate(plan):
+        if time.perf_counter() - start > args.time_budget:
+            report["skipped"] = [dict(method=m, tree_tokens=n, why="time budget") for m, n in plan[i:]]
+            print(f"--time_budget {args.time_budget:g} s reached: {len(plan) - i} rounds left out", file=sys.stderr)
+            break
+        draft = drafts["eagle3" if method == "eagle3" else "eagle"]
+        if method in statics:
+            spec = speculative.Speculator(model, draft, static=statics[method])
+        else:
+            spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                                          tree_tokens=T)
         spec.setup(1, context)
-        if args.compile:
+        timing = "compiled" if i < n_compiled else cheap
+        if timing == "compiled":
             speculative.compile_round(spec, args.compile_prefill)
         spec.prefill(prompt, context - P - 2 * (depth + 1))
-        round_s = seconds_per_call(spec.round, args.steps, device, warmup)
-        rounds.append(dict(tree_tokens=T, round_ms=round_s * 1e3, cost_vs_step=round_s / step_s))
-        print(f"tree {T:4d}: a round takes {round_s * 1e3:.2f} ms = {round_s / step_s:.2f} vanilla steps", file=sys.stderr)
+        t = time.perf_counter()
+        round_fn = speculative.cuda_graph(spec.round) if timing == "cuda graph" else spec.round
+        round_s = seconds_per_call(round_fn, args.steps, device, warmup)
+        compile_s = time.perf_counter() - t - round_s * args.steps
+        report["rounds"].append(dict(method=method, tree_tokens=T, timing=timing, round_ms=round_s * 1e3,
+                                     cost_vs_step=round_s / steps[timing], warmup_s=compile_s))
+        print(f"{method} {T:4d} tree tokens ({timing}): a round takes {round_s * 1e3:.2f} ms = "
+              f"{round_s / steps[timing]:.2f} vanilla steps", file=sys.stderr)
+        save()
 
     # (c) what those costs predict: a round emits tau tokens, vanilla needs tau steps for them
-    predicted = [dict(tau=tau, tree_tokens=r["tree_tokens"], speedup=tau / r["cost_vs_step"])
-                 for tau in args.tau for r in rounds]
-    copy_buffers = 2 * copy_bytes
-    return dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
-                weights="random", parameters=sum(p.numel() for p in model.parameters()),
-                weight_bytes_per_rank=tp.weight_bytes(model), tp_timing=timing,
-                weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
-                tree_top_k=args.tree_top_k, tree_depth=depth,
-                memory_needed_gb=(param_bytes + kv_bytes + draft_bytes + copy_buffers) / 1e9,
-                peak_memory_gb=peak_memory_gb(device),
-                copy_gb_s=copy_gb_s,
-                vanilla=dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=decode_gb_s,
-                             fraction_of_copy=decode_gb_s / copy_gb_s),
-                rounds=rounds, predicted=predicted)
+    report["tp_timing"] = tp_timing
+    report["predicted"] = [dict(tau=tau, method=r["method"], tree_tokens=r["tree_tokens"], timing=r["timing"],
+                                speedup=tau / r["cost_vs_step"]) for tau in args.tau for r in report["rounds"]]
+    save()
+    return report
 
 
 def tp_step_timing(model: Transformer, step, step_s: float, args) -> dict:
@@ -723,7 +845,9 @@ def tp_step_timing(model: Transformer, step, step_s: float, args) -> dict:
 
 def random_weights_markdown(report: dict) -> str:
     v = report["vanilla"]
-    lines = [f"# {report['model']} (random weights), {report['hardware']}", "",
+    by_timing = ", ".join(f"{k} {ms:.2f} ms" for k, ms in v["step_ms_by_timing"].items())
+    lines = [f"# {report['model']} (random weights{', ' + report['quantize'] if report['quantize'] else ''}), "
+             f"{report['hardware']}", "",
              f"- date: {report['date']}", f"- command: `{report['command']}`",
              f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
              f"attention: {report['attention']}, torch {report['torch']}",
@@ -731,18 +855,25 @@ def random_weights_markdown(report: dict) -> str:
              f"{report['weight_bytes_per_token'] / 1e9:.3f} GB of weights; memory needed ≈ "
              f"{report['memory_needed_gb']:.1f} GB (peak {report['peak_memory_gb']:.1f} GB)",
              f"- prompt {report['prompt_length']} tokens; {report['steps']} timed steps / rounds; "
-             f"EAGLE-2 top_k {report['tree_top_k']}, depth {report['tree_depth']}, random draft", "",
-             "## (a) vanilla decode against the copy bandwidth", "",
-             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy |",
-             "|---|---|---|---|---|",
+             f"EAGLE-2/3 top_k {report['tree_top_k']}, depth {report['tree_depth']}, random drafts; "
+             f"whole run {report['seconds']:.0f} s",
+             *[f"- {line}" for line in report["quantized"]],
+             "", "## (a) vanilla decode against the copy bandwidth", "",
+             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy | step by timing |",
+             "|---|---|---|---|---|---|",
              f"| {v['tokens_per_s']:.1f} | {v['step_ms']:.2f} | {v['gb_s']:.1f} | {report['copy_gb_s']:.1f} | "
-             f"{v['fraction_of_copy']:.0%} |", "",
-             "## (b) one EAGLE-2 round against one vanilla step", "",
-             "| tree tokens | round (ms) | cost in vanilla steps |", "|---|---|---|",
-             *[f"| {r['tree_tokens']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} |" for r in report["rounds"]],
-             "", "## (c) predicted speedup = τ × step / round", "",
-             "| τ | " + " | ".join(str(r["tree_tokens"]) for r in report["rounds"]) + " |",
-             "|---|" + "---|" * len(report["rounds"])]
+             f"{v['fraction_of_copy']:.0%} ({v['timing']}) | {by_timing} |", "",
+             "## (b) one round against one vanilla step timed the same way", "",
+             "| method | tree tokens | timing | round (ms) | cost in vanilla steps | warm-up incl. compile (s) |",
+             "|---|---|---|---|---|---|",
+             *[f"| {r['method']} | {r['tree_tokens']} | {r['timing']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} | "
+               f"{r['warmup_s']:.1f} |" for r in report["rounds"]]]
+    if report["skipped"]:
+        lines += ["", "Left out by --time_budget: " + ", ".join(f"{s['method']} {s['tree_tokens']}"
+                                                                for s in report["skipped"])]
+    lines += ["", "## (c) predicted speedup = τ × step / round", "",
+              "| τ | " + " | ".join(f"{r['method']} {r['tree_tokens']}" for r in report["rounds"]) + " |",
+              "|---|" + "---|" * len(report["rounds"])]
     for tau in dict.fromkeys(p["tau"] for p in report["predicted"]):
         lines.append(f"| {tau:g} | " + " | ".join(f"{p['speedup']:.2f}×" for p in report["predicted"] if p["tau"] == tau) + " |")
     t = report["tp_timing"]
@@ -758,6 +889,13 @@ def random_weights_markdown(report: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:
+        what = (f"random weights {args.model_name}{' ' + args.quantize if args.quantize else ''}: rounds of "
+                + ", ".join(f"{m} {T}" for m, T in round_plan(args)) if args.random_weights
+                else f"MT-bench {args.checkpoint_path}: {' '.join(args.methods)} at T={args.temperatures}")
+        print(f"dry run: {what}; --device {args.device}, compile {args.compile}, time budget {args.time_budget:g} s, "
+              f"out {args.out}", file=sys.stderr)
+        return None
     try:  # under torchrun: this rank's part of the target, and its device (tp.py)
         shard, device = tp.start(args.device, args.tp_timeout, vars(args))
     except ValueError as e:

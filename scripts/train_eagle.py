@@ -807,6 +807,7 @@ def main(argv=None):
     print(f"data: {len(data['train'])} train / {len(data['val'])} val conversations, {n_tokens} train tokens, "
           f"{times['data_minutes']:.1f} min so far", file=sys.stderr)
     target.max_seq_length = -1  # generation's caches are no longer needed
+    target.kv_storage = None
     for layer in target.layers:
         layer.attention.kv_cache = None
 

@@ -78,17 +78,39 @@ def test_mt_bench_tree_tokens_auto(tiny_checkpoint, tmp_path, monkeypatch):
 
 def test_random_weights_mode(tmp_path):
     out = tmp_path / "random"
-    report = bench.main(["--random_weights", "--model_name", "tiny-llama", "--device", "cpu", "--steps", "2",
-                         "--prompt_length", "8", "--tree_sizes", "32", "16", "--tau", "3", "4", "--out", str(out)])
+    common = ["--random_weights", "--model_name", "tiny-llama", "--device", "cpu", "--steps", "2", "--prompt_length", "8",
+              "--tree_sizes", "32", "16", "--tree_tokens", "16", "--tau", "3", "4"]
+    report = bench.main(common + ["--out", str(out)])
     assert json.loads(out.with_suffix(".json").read_text())["copy_gb_s"] == report["copy_gb_s"] > 0
     v = report["vanilla"]
     assert v["tokens_per_s"] > 0 and v["gb_s"] == pytest.approx(report["weight_bytes_per_token"] * v["tokens_per_s"] / 1e9)
-    assert [r["tree_tokens"] for r in report["rounds"]] == [16, 32]
-    assert len(report["predicted"]) == 4
+    # every method, the headline size (--tree_tokens) first, then the other sizes; eager on a CPU
+    assert [(r["method"], r["tree_tokens"]) for r in report["rounds"]] == [
+        ("eagle2", 16), ("eagle3", 16), ("eagle", 26), ("eagle2", 32), ("eagle3", 32)]
+    assert {r["timing"] for r in report["rounds"]} == {"eager"} and report["skipped"] == []
+    assert len(report["predicted"]) == 2 * 5
     for p in report["predicted"]:
-        r = next(r for r in report["rounds"] if r["tree_tokens"] == p["tree_tokens"])
+        r = next(r for r in report["rounds"] if (r["method"], r["tree_tokens"]) == (p["method"], p["tree_tokens"]))
         assert p["speedup"] == pytest.approx(p["tau"] / r["cost_vs_step"])
     assert "## (c) predicted speedup" in out.with_suffix(".md").read_text()
+    # a quantized target, and a time budget that leaves the rounds out: they are listed as such
+    small = bench.main(common + ["--out", str(tmp_path / "int8"), "--quantize", "int8", "--methods", "eagle2",
+                                 "--time_budget", "0"])
+    assert small["rounds"] == [] and [(r["method"], r["tree_tokens"]) for r in small["skipped"]] == [("eagle2", 16),
+                                                                                                   ("eagle2", 32)]
+    assert small["quantize"] == "int8" and small["weight_bytes_per_token"] < report["weight_bytes_per_token"] / 3
+    assert "Left out by --time_budget: eagle2 16, eagle2 32" in (tmp_path / "int8.md").read_text()
+
+
+def test_dry_run_checks_the_arguments_only(tmp_path, capsys):
+    """scripts/gpu_check.sh --dry_run: every stage's command parses on a machine without a GPU."""
+    assert bench.main(["--random_weights", "--model_name", "llama-3.1-8b", "--device", "cuda", "--compile",
+                       "--quantize", "int4", "--time_budget", "90", "--out", str(tmp_path / "x"), "--dry_run"]) is None
+    assert "rounds of eagle2 60, eagle3 60, eagle 26, eagle2 16" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing was written
+    with pytest.raises(SystemExit):
+        bench.main(["--random_weights", "--model_name", "llama-2-7b", "--tree_tokens", "auto", "--dry_run"])
+    assert "give --tree_tokens a number" in capsys.readouterr().err
 
 
 def test_random_weights_tensor_parallel_timing_runs(tmp_path):
@@ -97,8 +119,8 @@ def test_random_weights_tensor_parallel_timing_runs(tmp_path):
     themselves are for a quiet machine, benchmarks/README.md)."""
     out = tmp_path / "tp"
     result = torchrun(2, "scripts/benchmark.py", "--random_weights", "--model_name", "tiny-llama", "--device", "cpu",
-                      "--steps", 2, "--prompt_length", 8, "--tree_sizes", 6, "--tree_top_k", 2, "--tree_depth", 2,
-                      "--tp_timing", "--out", out)
+                      "--steps", 2, "--prompt_length", 8, "--tree_sizes", 6, "--tree_tokens", 6, "--tree_top_k", 2,
+                      "--tree_depth", 2, "--methods", "eagle2", "--tp_timing", "--out", out)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["tensor_parallel"] == 2 and 0 < report["weight_bytes_per_rank"]
@@ -117,15 +139,27 @@ def test_random_weights_tensor_parallel_timing_runs(tmp_path):
     (["--temperatures", "-1"], "--temperatures must be >= 0"),
     (["--random_weights", "--model_name", "tiny-llama", "--peers"], "--peers adds rows to the MT-bench run"),
     (["--methods", "vanilla", "--peers", "--prompt_lookup_num_tokens", "0"], "--prompt_lookup_num_tokens must be >= 1"),
+    (["--methods", "eagle3"], "need an EAGLE-3 head"),
+    (["--time_budget", "-5"], "--time_budget must be >= 0"),
 ])
 def test_bad_flags_are_clear_errors(tiny_checkpoint, tmp_path, capsys, args, message):
     checkpoint, questions = tiny_checkpoint
-    draft_dir = checkpoint.parent / "eagle"
-    draft_dir.rename(tmp_path / "moved")  # no draft beside the checkpoint
+    for head in ("eagle", "eagle3"):  # no heads beside the checkpoint
+        (checkpoint.parent / head).rename(tmp_path / f"moved-{head}")
     with pytest.raises(SystemExit) as e:
         bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--device", "cpu",
                     "--out", str(tmp_path / "x"), *args])
     assert e.value.code != 0 and message in capsys.readouterr().err
+
+
+def test_mt_bench_time_budget_stops_asking(tiny_checkpoint, tmp_path):
+    checkpoint, questions = tiny_checkpoint
+    report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--methods", "vanilla",
+                         "--num_questions", "2", "--max_new_tokens", "4", "--device", "cpu", "--no_plot",
+                         "--time_budget", "0", "--out", str(tmp_path / "budget")])
+    assert report["questions"] == 1 and report["questions_left_out"] == 1  # the first question is always asked
+    assert {a["question_id"] for a in report["answers"]} == {1}
+    assert "(1 more left out by --time_budget)" in (tmp_path / "budget.md").read_text()
 
 
 def test_bad_question_file_is_a_clear_error(tiny_checkpoint, tmp_path, capsys):
@@ -264,6 +298,20 @@ def test_measure_tree_costs_reads_acceptance_and_stops_at_hopeless_sizes(monkeyp
     monkeypatch.setattr(speculative, "AUTO_MIN_SPEEDUP", 3.5)
     step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
     assert list(rounds) == [4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@torch.no_grad()
+def test_measure_tree_costs_on_cuda_graph_replays():
+    """A compiled run on CUDA is measured on CUDA-graph replays of the eager step and rounds: the
+    replays must run real rounds, which emit the mirrored draft's accepted guesses."""
+    target, draft = (m.cuda() for m in mirrored_pair())
+    prompt = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0)).cuda()
+    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(8, 16), tree_top_k=4, tree_depth=4,
+                                                    cuda_graphs=True)
+    assert step_s > 0 and list(rounds) == [8, 16]
+    for seconds, tau in rounds.values():
+        assert seconds > 0 and 2 < tau <= 5
 
 
 def _args(**kw):

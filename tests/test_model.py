@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from model import ModelArgs, Transformer, transformer_configs
+from model import ModelArgs, Transformer, copy_slots, transformer_configs
 
 TINY = ["tiny-llama", "tiny-llama-3.1", "tiny-qwen2"]
 
@@ -173,3 +173,27 @@ def test_layer_inputs_come_in_the_order_asked_and_bad_ids_are_errors():
     torch.testing.assert_close(both[0], both[2])
     with pytest.raises(ValueError, match="layers the model does not have"):
         model(tokens, torch.arange(6), layer_ids=(2,))
+
+
+@torch.no_grad()
+def test_copy_slots_moves_entries_of_every_layer_at_once():
+    """Every layer's cache is a view of kv_storage, so one copy_slots moves keys and values in all
+    of them; sources and destinations may overlap (reads come first)."""
+    model = make_model("tiny-llama", max_batch_size=2, max_seq_length=32)
+    model.kv_storage.normal_()
+    before = model.kv_storage.clone()
+    src, dst = torch.tensor([[5, 6, 7], [20, 3, 9]]), torch.tensor([[6, 7, 8], [0, 1, 2]])
+    copy_slots(model.kv_storage, src, dst)
+    expected = before.clone()
+    for b in range(2):
+        for i in range(3):
+            expected[:, :, b, :, dst[b, i]] = before[:, :, b, :, src[b, i]]
+    assert torch.equal(model.kv_storage, expected)
+    for layer, storage in zip(model.layers, model.kv_storage):
+        assert torch.equal(layer.attention.kv_cache.k_cache, storage[0])
+        assert torch.equal(layer.attention.kv_cache.v_cache, storage[1])
+    # .double() after setup copies each buffer on its own; setup_caches makes the views again
+    model.double()
+    model.setup_caches(2, 32)
+    model.kv_storage.zero_()
+    assert all(not layer.attention.kv_cache.k_cache.any() for layer in model.layers)

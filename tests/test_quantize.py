@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import generate as gen
+import quantize
 import speculative
 from checkpoint import load_draft, save_draft
 from conftest import mirrored_pair, random_draft, save_checkpoint, tiny_target
@@ -146,6 +147,33 @@ def test_quantized_linears_on_cuda():
         int4 = int4.to("cuda", torch.bfloat16)
         int4.pack()
         assert_close_to(int4(x.cuda().bfloat16()).cpu(), ref4, 2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_int4_on_cuda_picks_the_path_by_rows(monkeypatch):
+    """Up to CUDA_INT4_KERNEL_ROWS rows torch's int4 kernel, beyond them the dequantized weight
+    and cuBLAS: the two paths give the same result."""
+    lin = random_linear(576, 960)
+    int4 = WeightOnlyInt4Linear.from_linear(lin, 128)  # padded: 576 -> 640 columns
+    ref = dequantize_int4(unpack_nibbles(int4.weight), int4.scales_and_zeros, 128)[:, :576]
+    int4 = int4.to("cuda", torch.bfloat16)
+    int4.pack()
+    x = torch.randn(20, 576)
+    expected = F.linear(x, ref, lin.bias)
+    monkeypatch.setattr(quantize, "CUDA_INT4_KERNEL_ROWS", 32)
+    by_kernel = int4(x.cuda().bfloat16()).cpu()
+    monkeypatch.setattr(quantize, "CUDA_INT4_KERNEL_ROWS", 16)
+    by_cublas = int4(x.cuda().bfloat16()).cpu()
+    assert_close_to(by_kernel, expected, 2e-2)
+    assert_close_to(by_cublas, expected, 2e-2)
+    assert_close_to(by_cublas, by_kernel.float(), 2e-2)
+
+
+def test_int4_on_cpu_keeps_no_second_copy():
+    int4 = WeightOnlyInt4Linear.from_linear(random_linear(256, 48), 32)
+    int4.pack()
+    assert int4.packed_for == "cpu" and not hasattr(int4, "nibbles")  # the nibbles serve CUDA's dequantized path only
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ import torch
 
 import checkpoint
 import generate as gen
+import model
 import sampling
 import speculative
 from conftest import ROOT, eagle3_pair, mirrored_pair, random_draft, random_eagle3_draft, tiny_target
+from draft import Eagle3Draft, draft_config_for, eagle3_layer_ids
 from tree import Tree, mc_sim_7b_63, static_tree, tree_structure
 
 METHODS = {
@@ -123,6 +125,30 @@ def test_kv_cache_after_rounds_equals_vanilla_cache(method):
     for layer, ref in zip(target.layers, fresh.layers):
         torch.testing.assert_close(layer.attention.kv_cache.k_cache[0, :, :n], ref.attention.kv_cache.k_cache[0, :, :n])
         torch.testing.assert_close(layer.attention.kv_cache.v_cache[0, :, :n], ref.attention.kv_cache.v_cache[0, :, :n])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle3"])
+@torch.no_grad()
+def test_greedy_equals_vanilla_on_cuda(method):
+    """Float32 on the GPU, with the attention backend that "auto" picks there (the fused kernel):
+    single prompts and a batch whose rows accept different lengths."""
+    target, draft = mirrored_pair()
+    if method == "eagle3":  # a random EAGLE-3 head (a vocabulary of its own): lossless all the same
+        torch.manual_seed(0)
+        draft = Eagle3Draft(draft_config_for(target.config), 256, eagle3_layer_ids(1)).eval()
+    target, draft = target.cuda(), draft.cuda()
+    try:
+        model.set_attention_backend("auto", "cuda")
+        spec = speculative.Speculator(target, draft, **METHODS["eagle" if method == "eagle" else "eagle2"])
+        for prompt in prompts(6, 512, seed=1, lengths=(3, 40)):
+            ids, _ = speculative.speculative_generate(spec, prompt.cuda(), 40)
+            assert ids == vanilla(target, prompt.cuda(), 40)
+        batch = torch.cat([p[:, :8] for p in prompts(4, 512, seed=2, lengths=(8, 9))]).cuda()
+        ids, _ = speculative.speculative_generate(spec, batch, 40)
+        assert ids == [vanilla(target, batch[b:b + 1], 40)[0] for b in range(4)]
+    finally:
+        model.set_attention_backend("sdpa")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ checked on CUDA only; float16 exercises the same 16-bit path on the CPU.
 """
 import importlib
 import os
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -48,7 +50,7 @@ def make_visible(kind: str, B: int, T: int, R: int, g: torch.Generator) -> torch
     return visible
 
 
-def check_kernel(device, dtype, H, KV, D, T, R, prefix, S, n_splits, kind, seed=0):
+def check_kernel(device, dtype, H, KV, D, T, R, prefix, S, n_splits, min_share, kind, seed=0):
     g = torch.Generator().manual_seed(seed)
     B = len(prefix)
     # q as the model makes it: a [B, H, T, D] view of a [B, T, H, D] tensor
@@ -57,22 +59,29 @@ def check_kernel(device, dtype, H, KV, D, T, R, prefix, S, n_splits, kind, seed=
     prefix_len, visible = torch.tensor(prefix), make_visible(kind, B, T, R, g)
     expected = tree_attention.reference(q, k, v, prefix_len, visible)  # float32, on the CPU
     to = dict(device=device, dtype=dtype)
-    out = tree_attention.tree_attention(q.to(**to), k.to(**to), v.to(**to), prefix_len.to(device),
-                                        visible.to(device), n_splits=n_splits)
+    with mock.patch.object(tree_attention, "MIN_SPLIT_SLOTS", min_share or tree_attention.MIN_SPLIT_SLOTS):
+        out = tree_attention.tree_attention(q.to(**to), k.to(**to), v.to(**to), prefix_len.to(device),
+                                            visible.to(device), n_splits=n_splits)
     assert out.shape == (B, H, T, D) and out.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
 
 
-# H, KV, D, T, R, per-row prefix lengths, cache slots S, n_splits (None: chosen from the shapes),
-# region mask. Small: the interpreter multiplies matrices at a few MFLOP/s.
+# H, KV, D, T, R, per-row prefix lengths, cache slots S, n_splits (None: chosen from the launch),
+# the smallest share of a split (None: MIN_SPLIT_SLOTS; small ones make short test prefixes really
+# split), region mask. Small: the interpreter multiplies matrices at a few MFLOP/s.
 CASES = {
-    "mha-T1-prefix-0-and-1": (4, 4, 64, 1, 1, [0, 1], 80, 1, "self"),
-    "gqa2-T5-prefix-around-a-block": (4, 2, 64, 5, 5, [63, 64, 70], 150, 1, "tree"),
-    "gqa3-d128-T9-split3": (6, 2, 128, 9, 9, [0, 129], 300, 3, "random"),
-    "mqa-T64-four-query-blocks-split2": (4, 1, 64, 64, 64, [130, 7], 260, 2, "tree"),
-    "draft-level-T10-region-50": (3, 3, 64, 10, 50, [33, 150], 200, None, "tree"),
-    "default-split-long-prefix": (2, 2, 64, 3, 3, [1040], 1100, None, "self"),
+    "mha-T1-prefix-0-and-1": (4, 4, 64, 1, 1, [0, 1], 80, 1, None, "self"),
+    "gqa2-T5-prefix-around-a-block": (4, 2, 64, 5, 5, [63, 64, 70], 150, 1, None, "tree"),
+    "gqa3-d128-T9-split3": (6, 2, 128, 9, 9, [0, 129], 300, 3, 64, "random"),
+    "mqa-T64-four-query-blocks-split2": (4, 1, 64, 64, 64, [130, 7], 260, 2, 64, "tree"),
+    "draft-level-T10-region-50": (3, 3, 64, 10, 50, [33, 150], 200, None, 64, "tree"),
+    "default-split-long-prefix": (2, 2, 64, 3, 3, [1040], 1100, None, None, "self"),
+    # LLaMA-3's verify: 4 query heads per KV head x 60 nodes = 240 rows, two blocks of 128
+    "gqa4-T60-240-rows-split2": (8, 2, 64, 60, 60, [100, 250], 400, 2, 64, "tree"),
+    # a short live prefix in a big cache: most shares are empty (row 0: one; row 1: three of five)
+    "short-prefix-big-cache": (4, 2, 64, 3, 3, [40, 1500, 0], 2100, None, None, "tree"),
+    "head-dim-80-split3": (4, 4, 80, 5, 5, [70, 200], 260, 3, 64, "tree"),
 }
 
 
@@ -91,13 +100,50 @@ def test_kernel_equals_reference_bf16_cuda(case):
     check_kernel("cuda", torch.bfloat16, *CASES[case])
 
 
-def test_the_default_split_count_comes_from_the_shapes():
+def test_the_split_count_comes_from_the_launch():
     # batch 1, 32 KV heads, one query block: 32 programs, split 4 ways to fill an H100's SMs
     assert tree_attention.num_splits(32, 4096) == 4
-    # a short cache is not split; nor is a launch that already fills the GPU
-    assert tree_attention.num_splits(32, 700) == 1 and tree_attention.num_splits(256, 8192) == 1
-    # the default case above really runs split: batch 1, 2 KV heads, one query block each
-    assert tree_attention.num_splits(1 * 2 * 1, 1100 - 3) == 2
+    # a launch that fills the GPU is not split, nor a cache too short for two shares
+    assert tree_attention.num_splits(256, 8192) == 1 and tree_attention.num_splits(32, 500) == 1
+    # LLaMA-3 at batch 1: 8 KV heads, two query blocks of 128 rows: 16 programs, 8 splits
+    assert tree_attention.num_splits(16, 8192) == 8
+    # the default cases above really run split: "default-split-long-prefix" (1 x 2 KV heads x
+    # one block) and "short-prefix-big-cache" (3 x 2 x 1), at most as many shares as the cache holds
+    assert tree_attention.num_splits(1 * 2 * 1, 1100 - 3) == 3
+    assert tree_attention.num_splits(3 * 2 * 1, 2100 - 3) == 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_empty_shares_are_neither_written_nor_read(device, monkeypatch):
+    """A short prefix in a big cache leaves most shares empty; the merge must skip them. Every
+    float buffer the call allocates starts as NaN here, so a share read without being written,
+    or an output element left unwritten, would show."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    g = torch.Generator().manual_seed(4)
+    B, H, KV, T, D, S = 3, 4, 2, 4, 64, 2100
+    q, (k, v) = torch.randn(B, H, T, D, generator=g), torch.randn(2, B, KV, S, D, generator=g)
+    prefix_len, visible = torch.tensor([40, 1500, 0]), make_visible("tree", B, T, T, g)
+    expected = tree_attention.reference(q, k, v, prefix_len, visible)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = tree_attention.tree_attention(*(x.to(device) for x in (q, k, v, prefix_len, visible)), n_splits=8)
+    monkeypatch.undo()
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_launch_constants_are_read_at_every_call(device, monkeypatch):
+    """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
+    monkeypatch.setattr(tree_attention, "BLOCK_N", 32)
+    monkeypatch.setattr(tree_attention, "MAX_BLOCK_M", 16)  # 24 rows: two blocks
+    monkeypatch.setattr(tree_attention, "MIN_SPLIT_SLOTS", 32)
+    check_kernel(device, torch.float32, 6, 2, 64, 8, 8, [45, 90], 140, None, None, "tree")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -165,6 +211,21 @@ def test_set_attention_backend(capsys):
     with pytest.raises(SystemExit):
         gen.parse_args(["--attention", "triton", "--device", "cpu"])
     assert "--attention triton runs on CUDA" in capsys.readouterr().err
+
+
+def test_auto_falls_back_to_sdpa_when_the_kernel_cannot_import(tmp_path, monkeypatch, capsys):
+    """An older Triton can fail inside the import with an AttributeError (tree_attention did, on
+    triton.knobs before Triton 3.4): "auto" then takes sdpa; "triton" is a clear error."""
+    (tmp_path / "tree_attention.py").write_text("import triton\ntriton.knobs_of_a_future_triton\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tree_attention")
+    try:
+        assert model.set_attention_backend("auto", "cuda") == "sdpa" and model._tree_kernel is None
+        assert "AttributeError" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="needs triton"):
+            model.set_attention_backend("triton")
+    finally:
+        model.set_attention_backend("sdpa")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,81 @@
+"""W8A16 matmul: activations in 16 (or 32) bits times int8 weights with per-channel scales, as a
+Triton kernel that reads each int8 weight once for all rows, and its PyTorch reference.
+
+    y [M, N] = (x [M, K] @ w [N, K]^T) * scales [N]      fp32 accumulation, y in x's dtype
+
+quantize.WeightOnlyInt8Linear uses it on CUDA for 1 < M <= CUDA_INT8_KERNEL_ROWS rows: a tree
+verify (60 rows), the draft's tree levels (top_k rows) and its catch-up (depth + 1 rows). For one
+row, Inductor fuses the int8 -> bf16 cast into its GEMV and reads int8 already; for more rows it
+hands the matmul to cuBLAS, which needs the weight in bf16, so every call materialised it: about
+2.5x the bytes of a bf16 verify. A file of its own, like tree_attention.py, so that quantize.py
+stays importable where Triton is not.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# As in tree_attention.py: Triton's interpreter (TRITON_INTERPRET=1 when this module is imported)
+# runs the kernel on CPU tensors, as the tests do; otherwise it needs CUDA tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+
+# Launch constants, to be tuned on the GPU (scripts/tune_kernels.py sets these module attributes).
+# All rows of a 60-row verify fit one block of MAX_BLOCK_M, so each program reads its BLOCK_N x K
+# weight stripe exactly once; BLOCK_N = 32 still gives 128 programs for a 4096-wide output (an
+# H100 has 132 SMs).
+MAX_BLOCK_M = 128
+BLOCK_N = 32
+BLOCK_K = 128
+NUM_WARPS = 4
+NUM_STAGES = 4
+
+
+def reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """The kernel's semantics in float32: x [M, K] @ (weight [N, K] * scales [N, 1])^T."""
+    return x.float() @ (weight.float() * scales.float()[:, None]).t()
+
+
+def int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """x [M, K] float16, bfloat16 or float32; weight [N, K] int8; scales [N] -> y [M, N] in x's dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or x.size(1) != weight.size(1) or scales.shape != (weight.size(0),):
+        raise ValueError(f"int8_matmul wants x [M, K], weight [N, K] and scales [N], got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(scales.shape)}")
+    if weight.dtype != torch.int8 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"int8_matmul wants int8 weights and float16/bfloat16/float32 x, got {weight.dtype}, {x.dtype}")
+    if not ((x.is_cuda and weight.is_cuda and scales.is_cuda) or INTERPRETED):
+        raise ValueError("the Triton int8 matmul runs on CUDA tensors; to run it on the CPU, set "
+                         "TRITON_INTERPRET=1 before int8_matmul is imported")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    (M, K), N = x.shape, weight.size(0)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m = min(MAX_BLOCK_M, max(16, 1 << (M - 1).bit_length()))  # tl.dot wants >= 16 rows
+    _int8_matmul_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, block_m))](
+        x, weight, scales, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return y
+
+
+@triton.jit
+def _int8_matmul_kernel(X, W, Scales, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_M rows of x times a stripe of BLOCK_N output channels, K in BLOCK_K steps.
+    The int8 -> x.dtype cast is exact; the scale is applied once, to the fp32 sums."""
+    n_block, m_block = tl.program_id(0), tl.program_id(1)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")  # "ieee": no TF32 for float32 x
+    scales = tl.load(Scales + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = acc * scales[None, :]
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])

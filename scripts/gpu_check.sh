@@ -1,0 +1,268 @@
+#!/usr/bin/env bash
+# Every GPU path of the project in one command, on a bare GPU machine: its own python3 with torch
+# and triton, nothing installable, no network. Under 9 minutes on one H100.
+#
+#   bash scripts/gpu_check.sh OUT_DIR            the check; everything it writes goes under OUT_DIR
+#   bash scripts/gpu_check.sh --dry_run OUT_DIR  every stage's command only checks its arguments (no GPU)
+#   bash scripts/gpu_check.sh --split [GGUF]     here, before: cut the SmolLM2 GGUF into parts for the trip
+#   bash scripts/gpu_check.sh --join             there: join the parts (the check does this itself)
+#
+# Stages, in this order, each with a time budget in seconds (what a stage leaves out is logged):
+#   1. pytest of every CUDA test: kernels against their references, the compiled round with the
+#      kernel, int8/int4 CUDA paths, greedy equality with vanilla in float32 (eagle, eagle2, eagle3)
+#   2. random weights, llama-2-7b and llama-3.1-8b shapes, bf16, compiled: vanilla decode GB/s next
+#      to a device copy, one round / one vanilla step for every method and tree sizes 16..128;
+#      then int8 and int4 g32 targets (quantized in memory); then a sweep of the kernels' launch
+#      constants (scripts/tune_kernels.py)
+#   3. SmolLM2-135M-Instruct with the shipped heads on an MT-bench subset: vanilla against every
+#      method, T=0 and T=1, speedup, tau, equality in float32 and bf16
+# OUT_DIR ends up holding gpu_check.log (what ran, how long, what was skipped), summary.md (every
+# table) and details.tar.gz (each run's log, JSON and Markdown, pytest's XML): three files, as
+# few as a device call returns.
+#
+# The SmolLM2 GGUF (98 MB) travels in parts under 64 MiB: --split writes them, with a checksum,
+# the pure-Python 'gguf' package the conversion needs (the GPU image lacks it) and the MT-bench
+# questions, to $GPU_CHECK_PARTS (default downloads/parts, git-ignored). The check joins and converts them into
+# downloads/SmolLM2-135M-Instruct/ unless $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/
+# already holds a model.pth. Commands: benchmarks/README.md, "GPU check".
+#
+# Settings (environment): PYTHON (python3), STAGE1_S 140, STAGE2_S 230, STAGE3_S 140, TOTAL_S 540,
+# GPU_CHECK_PART_SIZE (40M), MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD
+# (heads/SmolLM2-135M-Instruct-eagle3: eagle3 runs when it exists).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PY="${PYTHON:-python3}"
+PARTS="${GPU_CHECK_PARTS:-downloads/parts}"
+DOWNLOADS="$(dirname "$PARTS")"
+GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
+PART_SIZE="${GPU_CHECK_PART_SIZE:-40M}"
+STAGE1_S="${STAGE1_S:-140}"
+STAGE2_S="${STAGE2_S:-230}"
+STAGE3_S="${STAGE3_S:-140}"
+TOTAL_S="${TOTAL_S:-540}"
+EAGLE3_HEAD="${EAGLE3_HEAD:-heads/SmolLM2-135M-Instruct-eagle3}"
+
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "[gpu_check] error: $*" >&2; exit 2; }
+
+# --------------------------------------------------------------------------------------------
+# The GGUF's trip: --split here, --join there
+# --------------------------------------------------------------------------------------------
+split_gguf() {  # split_gguf [FILE]
+    local file="${1:-checkpoints/.downloads/$GGUF_NAME}" name
+    [ -f "$file" ] || die "no file to split: $file (run bash scripts/prepare.sh SmolLM2-135M-Instruct first)"
+    name="$(basename "$file")"
+    mkdir -p "$PARTS"
+    rm -f "$PARTS/$name".part-*
+    split -b "$PART_SIZE" -d -a 2 "$file" "$PARTS/$name.part-" || die "split failed"
+    (cd "$(dirname "$file")" && sha256sum "$name") > "$PARTS/$name.sha256"
+    # the converter's GGUF reader, pure Python, for a machine that has numpy, pyyaml and tqdm but not it
+    local pkg
+    pkg="$("${SPLIT_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo "$PY")}" \
+        -c 'import gguf, os; print(os.path.dirname(gguf.__file__))' 2>/dev/null)" \
+        || die "the 'gguf' package is not installed here (pip install gguf)"
+    rm -rf "$PARTS/python/gguf"
+    mkdir -p "$PARTS/python"
+    cp -R "$pkg" "$PARTS/python/gguf"
+    rm -rf "$PARTS/python/gguf/__pycache__" "$PARTS/python/gguf/scripts"
+    # the MT-bench questions, for a checkout whose shared/ folder stays behind
+    for q in ../shared/data/mt_bench/question.jsonl shared/data/mt_bench/question.jsonl; do
+        [ -f "$q" ] && { cp "$q" "$PARTS/question.jsonl"; break; }
+    done
+    echo "[gpu_check] wrote $(ls "$PARTS/$name".part-* | wc -l) parts of $PART_SIZE, $name.sha256 and python/gguf to $PARTS/:"
+    ls -l "$PARTS" | sed 's/^/    /'
+    echo "[gpu_check] carry them in separate device calls (each call's tree + carried paths stay under 64 MiB), e.g."
+    echo "    call 1: carry $PARTS/python $PARTS/$name.sha256 $PARTS/$name.part-00;  command: ls $PARTS"
+    echo "    then one call per further part, the last one running: bash scripts/gpu_check.sh \$OUT"
+}
+
+join_gguf() {  # join_gguf: $PARTS/NAME.part-* -> $DOWNLOADS/NAME, checked against NAME.sha256
+    local out="$DOWNLOADS/$GGUF_NAME" parts
+    parts=("$PARTS/$GGUF_NAME".part-*)
+    [ -e "${parts[0]}" ] || { echo "[gpu_check] no parts $PARTS/$GGUF_NAME.part-* to join" >&2; return 1; }
+    cat "${parts[@]}" > "$out.tmp" || return 1
+    if [ -f "$PARTS/$GGUF_NAME.sha256" ]; then
+        if [ "$(sha256sum < "$out.tmp" | cut -d' ' -f1)" != "$(cut -d' ' -f1 "$PARTS/$GGUF_NAME.sha256")" ]; then
+            rm -f "$out.tmp"
+            echo "[gpu_check] the ${#parts[@]} parts do not join into $GGUF_NAME (checksum differs): a part is missing or cut short" >&2
+            return 1
+        fi
+    else
+        echo "[gpu_check] warning: no $GGUF_NAME.sha256 beside the parts: the joined file is not checked" >&2
+    fi
+    mv "$out.tmp" "$out"
+    echo "[gpu_check] joined ${#parts[@]} parts into $out"
+}
+
+smollm2_checkpoint() {  # prints the path of a converted SmolLM2 model.pth, converting it if needed
+    local dir="$DOWNLOADS/SmolLM2-135M-Instruct" gguf
+    for c in "${SMOLLM2_CHECKPOINT:-}" checkpoints/SmolLM2-135M-Instruct/model.pth "$dir/model.pth"; do
+        [ -n "$c" ] && [ -f "$c" ] && { echo "$c"; return 0; }
+    done
+    for gguf in "$DOWNLOADS/$GGUF_NAME" "checkpoints/.downloads/$GGUF_NAME" ""; do
+        [ -n "$gguf" ] && [ -f "$gguf" ] && break
+    done
+    if [ -z "$gguf" ]; then
+        join_gguf >&2 || return 1
+        gguf="$DOWNLOADS/$GGUF_NAME"
+    fi
+    "$PY" convert_hf_checkpoint.py --gguf "$gguf" --checkpoint_dir "$dir" >&2 || return 1
+    echo "$dir/model.pth"
+}
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+DRY=0
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    --split) shift; [ $# -le 1 ] || die "--split takes one file at most"; split_gguf "$@"; exit ;;
+    --join) shift; [ $# -eq 0 ] || die "--join takes no argument"; join_gguf; exit ;;
+    --dry_run) DRY=1; shift ;;
+esac
+case "${1:-}" in -*) die "unknown option $1 (see --help)" ;; esac
+[ $# -eq 1 ] || { usage >&2; exit 2; }
+OUT="$1"
+mkdir -p "$OUT/details" || die "cannot create $OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+[ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+
+log() { echo "[gpu_check $(printf '%3d' "$SECONDS") s] $*" | tee -a "$LOG"; }
+
+bundle() {  # OUT_DIR keeps three files: the log, the tables, and a tarball of the details
+    local md
+    {
+        echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        echo
+        echo '```'
+        cat "$LOG"
+        echo '```'
+        for md in "$OUT"/details/*.md; do [ -f "$md" ] && { echo; cat "$md"; }; done
+        [ -f "$OUT/details/stage1-pytest.log" ] && { echo; echo '## pytest (last lines)'; echo '```'; tail -n 25 "$OUT/details/stage1-pytest.log"; echo '```'; }
+    } > "$OUT/summary.md"
+    tar -czf "$OUT/details.tar.gz" -C "$OUT" details && rm -rf "$OUT/details"
+}
+trap bundle EXIT
+
+left() { echo $(( TOTAL_S - SECONDS )); }
+
+run() {  # run NAME SECONDS CMD...: CMD with a hard time limit, its output in details/NAME.log
+    local name="$1" limit="$2" t0=$SECONDS rc
+    shift 2
+    if [ "$limit" -lt 10 ]; then
+        log "$name: skipped (no time left)"
+        return 1
+    fi
+    if [ "$DRY" = 1 ]; then limit=300; fi
+    log "$name: $* (limit ${limit} s)"
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/details/$name.log" 2>&1
+    rc=$?
+    case $rc in
+        0) log "$name: done in $(( SECONDS - t0 )) s" ;;
+        124|137) log "$name: stopped at its limit of $limit s (what it wrote so far is kept)" ;;
+        *) log "$name: FAILED (exit $rc) after $(( SECONDS - t0 )) s; last lines:"; tail -n 15 "$OUT/details/$name.log" | sed 's/^/    /' | tee -a "$LOG" ;;
+    esac
+    return $rc
+}
+
+min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
+
+if [ "$DRY" = 0 ]; then
+    "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+        || die "no CUDA device visible to $PY (for a check without one: --dry_run)"
+fi
+"$PY" -c 'import torch, triton, platform; print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"))' 2>&1 | while read -r line; do log "$line"; done
+DRYFLAG=()
+[ "$DRY" = 1 ] && DRYFLAG=(--dry_run)
+
+# SmolLM2 is joined and converted in the background while stage 1 runs (CPU work, no timing there).
+CKPT_FILE="$OUT/details/smollm2-checkpoint.txt"
+if [ "$DRY" = 1 ]; then
+    for c in "${SMOLLM2_CHECKPOINT:-}" checkpoints/SmolLM2-135M-Instruct/model.pth; do
+        [ -n "$c" ] && [ -f "$c" ] && { echo "$c" > "$CKPT_FILE"; break; }
+    done
+    PREP_PID=""
+else
+    smollm2_checkpoint > "$CKPT_FILE" 2> "$OUT/details/prepare-smollm2.log" &
+    PREP_PID=$!
+fi
+
+# --------------------------------------------------------------------------------------------
+# Stage 1: every CUDA test (test ids with "cuda"; the CPU twins skip or run in seconds)
+# --------------------------------------------------------------------------------------------
+log "stage 1: pytest of the CUDA tests (budget $STAGE1_S s)"
+if [ "$DRY" = 1 ]; then
+    run stage1-pytest "$STAGE1_S" "$PY" -m pytest tests -q -k cuda -p no:cacheprovider --collect-only \
+        --continue-on-collection-errors
+else
+    run stage1-pytest "$(min "$STAGE1_S" "$(left)")" "$PY" -m pytest tests -q -rs -k cuda -p no:cacheprovider \
+        --continue-on-collection-errors --junitxml="$OUT/details/stage1-pytest.xml"
+fi
+grep -E "passed|failed|error|no tests ran|collected" "$OUT/details/stage1-pytest.log" | tail -n 1 | while read -r line; do log "stage 1: $line"; done
+
+# --------------------------------------------------------------------------------------------
+# Stage 2: random weights. Each run compiles the vanilla step and its headline round (eagle2 at
+# 60 nodes); the other rounds are CUDA-graph replays of the eager round (no compile per size).
+# Shares of the stage budget, in order; a run stops starting rounds at its --time_budget.
+# --------------------------------------------------------------------------------------------
+STAGE2_END=$(( SECONDS + $(min "$STAGE2_S" $(( $(left) - STAGE3_S ))) ))  # stage 3's budget stays reserved
+log "stage 2: random weights (budget $(( STAGE2_END - SECONDS )) s)"
+stage2() {  # stage2 NAME SHARE_PERCENT ARGS...
+    local name="$1" share="$2" budget
+    shift 2
+    budget=$(min $(( STAGE2_S * share / 100 )) $(( STAGE2_END - SECONDS )))
+    run "$name" "$budget" "$PY" scripts/benchmark.py --random_weights --device cuda --compile --compiled_rounds 1 \
+        --tree_sizes 16 32 60 128 --steps 50 --time_budget $(( budget > 40 ? budget - 25 : budget / 2 )) \
+        --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
+}
+stage2 random-llama-2-7b-bf16 35 --model_name llama-2-7b
+stage2 random-llama-3.1-8b-bf16 20 --model_name llama-3.1-8b
+stage2 random-llama-2-7b-int8 15 --model_name llama-2-7b --quantize int8
+stage2 random-llama-2-7b-int4-g32 15 --model_name llama-2-7b --quantize int4 --groupsize 32
+# the kernels' launch constants, swept one at a time; and where int4 should hand rows to cuBLAS
+budget=$(min $(( STAGE2_S * 15 / 100 )) $(( STAGE2_END - SECONDS )))
+run tune-kernels "$budget" "$PY" scripts/tune_kernels.py --time_budget $(( budget > 30 ? budget - 15 : budget / 2 )) \
+    --out "$OUT/details/tune-kernels" "${DRYFLAG[@]}"
+
+# --------------------------------------------------------------------------------------------
+# Stage 3: SmolLM2-135M-Instruct on MT-bench. Float32 eager for equality (every method, T=0),
+# then bf16 compiled for speed: eagle2 at T=0 and T=1 first, then the other methods at T=0.
+# --------------------------------------------------------------------------------------------
+log "stage 3: SmolLM2-135M-Instruct on MT-bench (budget $(min "$STAGE3_S" "$(left)") s)"
+[ -n "${PREP_PID:-}" ] && { wait "$PREP_PID" || log "stage 3: preparing SmolLM2 failed: $(tail -n 3 "$OUT/details/prepare-smollm2.log" | tr '\n' ' ')"; }
+CKPT="$(cat "$CKPT_FILE" 2>/dev/null)"
+if [ -z "$CKPT" ]; then
+    log "stage 3: skipped, no SmolLM2 checkpoint (parts in $PARTS/? see --split)"
+else
+    log "stage 3: checkpoint $CKPT"
+    STAGE3_END=$(( SECONDS + $(min "$STAGE3_S" "$(left)") ))
+    QUESTIONS=()  # MT_BENCH_QUESTIONS, else shared/ beside or inside the checkout (benchmark.py's default), else the parts'
+    for q in "${MT_BENCH_QUESTIONS:-}" ../shared/data/mt_bench/question.jsonl shared/data/mt_bench/question.jsonl \
+             "$PARTS/question.jsonl"; do
+        [ -n "$q" ] && [ -f "$q" ] && { QUESTIONS=(--question_file "$q"); break; }
+    done
+    OTHERS=(chain eagle)
+    if [ -f "$EAGLE3_HEAD/draft_config.json" ]; then
+        OTHERS+=(eagle3)
+    else
+        log "stage 3: no EAGLE-3 head at $EAGLE3_HEAD: eagle3 left out"
+    fi
+    stage3() {  # stage3 NAME SHARE_PERCENT ARGS...
+        local name="$1" share="$2" budget
+        shift 2
+        budget=$(min $(( STAGE3_S * share / 100 )) $(( STAGE3_END - SECONDS )))
+        run "$name" "$budget" "$PY" scripts/benchmark.py --device cuda --checkpoint_path "$CKPT" "${QUESTIONS[@]}" \
+            --draft_checkpoint_path heads/SmolLM2-135M-Instruct --draft3_checkpoint_path "$EAGLE3_HEAD" \
+            --num_questions 8 --max_new_tokens 128 --no_plot --time_budget $(( budget > 40 ? budget - 20 : budget / 2 )) \
+            --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
+    }
+    stage3 mt_bench-smollm2-fp32-eager 25 --dtype float32 --temperatures 0 --methods "${OTHERS[@]}" eagle2
+    stage3 mt_bench-smollm2-bf16-eagle2 45 --dtype bfloat16 --compile --temperatures 0 1 --methods eagle2
+    stage3 mt_bench-smollm2-bf16-others 30 --dtype bfloat16 --compile --temperatures 0 --methods "${OTHERS[@]}"
+fi
+log "total $SECONDS s; OUT_DIR: gpu_check.log, summary.md, details.tar.gz"

@@ -1,0 +1,190 @@
+"""Sweep the launch constants of the project's Triton kernels on a GPU, and time the quantized paths
+whose crossover is a constant of quantize.py. Nothing is changed: the tables say which values to
+put in the code.
+
+    python scripts/tune_kernels.py --out benchmarks/tune-H100 [--time_budget 60]
+
+  tree_attention   the verify of a 7B (32 query and KV heads) and an 8B (32 query, 8 KV heads):
+                   60 tree nodes, prefixes of 500 and 3000 in a 4156-slot cache; and a draft level
+                   (10 nodes, region 50). Each constant is varied alone from the module's values;
+                   the reference is SDPA over the dense mask.
+  int8_matmul      10 and 60 rows times a 7B's wqkv [12288, 4096] and w2 [4096, 11008] weights;
+                   against cuBLAS on the bf16 weight (what a bf16 model reads) and the int8 -> bf16
+                   cast that quantize.py used for several rows before.
+  int4             torch's int4 kernel against the dequantized weight with cuBLAS (compiled, as a
+                   compiled run does), by rows: where quantize.CUDA_INT4_KERNEL_ROWS should sit.
+Times are triton.testing.do_bench medians (ms). Every configuration is checked against its
+reference first. Writes OUT.json and OUT.md.
+"""
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import quantize  # noqa: E402
+
+SWEEPS = {
+    "tree_attention": {"BLOCK_N": [32, 64, 128], "MAX_BLOCK_M": [64, 128], "NUM_STAGES": [2, 3],
+                       "TARGET_PROGRAMS": [66, 132, 264], "MIN_SPLIT_SLOTS": [256, 512, 1024]},
+    "int8_matmul": {"BLOCK_N": [16, 32, 64], "BLOCK_K": [64, 128, 256], "NUM_STAGES": [3, 4, 5], "NUM_WARPS": [4, 8]},
+}
+INT4_ROWS = [1, 16, 32, 60, 128, 512]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "tune-kernels")
+    p.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later measurements are left out")
+    p.add_argument("--dry_run", action="store_true", help="print the sweep and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("the kernels are tuned on a CUDA device; none is available (--dry_run prints the sweep)")
+    return args
+
+
+def variations(module, sweep: dict):
+    """The module's own values first, then each constant varied alone."""
+    yield {}
+    for name, values in sweep.items():
+        yield from ({name: value} for value in values if value != getattr(module, name))
+
+
+@contextmanager
+def constants(module, setting: dict):
+    """The module's launch constants set as in setting, and restored after."""
+    saved = {k: getattr(module, k) for k in setting}
+    for k, v in setting.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+def ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50)
+
+
+def tree_attention_rows(deadline):
+    import tree_attention as ta
+
+    rows, g = [], torch.Generator(device="cuda").manual_seed(0)
+    cases = [("7B verify", 32, 32, 128, 60, 60, 500), ("7B verify", 32, 32, 128, 60, 60, 3000),
+             ("8B verify", 32, 8, 128, 60, 60, 500), ("8B verify", 32, 8, 128, 60, 60, 3000),
+             ("7B draft level", 32, 32, 128, 10, 50, 1000)]
+    for what, H, KV, D, T, R, prefix in cases:
+        S = 4096 + R
+        q = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, KV, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        prefix_len = torch.tensor([prefix], device="cuda")
+        visible = torch.rand(1, T, R, device="cuda", generator=g) < 0.3
+        expected = ta.reference(q, k, v, prefix_len, visible).float()
+        sdpa_ms = ms(lambda: ta.reference(q, k, v, prefix_len, visible))
+        for setting in variations(ta, SWEEPS["tree_attention"]):
+            if time.perf_counter() > deadline:
+                return rows, True
+            with constants(ta, setting):
+                error = (ta.tree_attention(q, k, v, prefix_len, visible).float() - expected).abs().max().item()
+                kernel_ms = ms(lambda: ta.tree_attention(q, k, v, prefix_len, visible))
+            rows.append(dict(case=f"{what}, H {H}, KV {KV}, prefix {prefix}", setting=setting or "defaults",
+                             ms=kernel_ms, sdpa_ms=sdpa_ms, max_error=error))
+    return rows, False
+
+
+def int8_rows(deadline):
+    import int8_matmul as im
+
+    rows = []
+    for M in (10, 60):
+        for N, K, name in ((12288, 4096, "wqkv"), (4096, 11008, "w2")):
+            w = torch.randn(N, K, device="cuda")
+            q, scales = quantize.quantize_int8(w)
+            scales = scales.bfloat16()
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            w_bf16 = quantize.dequantize_int8(q, scales).bfloat16()
+            expected = im.reference(x, q, scales)
+            cublas_ms = ms(lambda: F.linear(x, w_bf16))
+            cast_ms = ms(lambda: F.linear(x, q.to(x.dtype)) * scales)
+            for setting in variations(im, SWEEPS["int8_matmul"]):
+                if time.perf_counter() > deadline:
+                    return rows, True
+                with constants(im, setting):
+                    error = ((im.int8_matmul(x, q, scales).float() - expected).abs().max() / expected.abs().max()).item()
+                    kernel_ms = ms(lambda: im.int8_matmul(x, q, scales))
+                rows.append(dict(case=f"{M} rows x {name} [{N}, {K}]", setting=setting or "defaults", ms=kernel_ms,
+                                 bf16_cublas_ms=cublas_ms, cast_ms=cast_ms, relative_error=error))
+    return rows, False
+
+
+def int4_rows(deadline):
+    rows = []
+    for N, K, name in ((12288, 4096, "wqkv"), (4096, 11008, "w2")):
+        layer = quantize.WeightOnlyInt4Linear.from_linear(torch.nn.Linear(K, N, bias=False), 32).to("cuda", torch.bfloat16)
+        layer.pack()
+        dequantized = torch.compile(lambda x: F.linear(x, quantize.dequantize_int4(
+            quantize.unpack_nibbles(layer.nibbles), layer.scales_and_zeros, 32).to(x.dtype)), dynamic=True)
+        for M in INT4_ROWS:
+            if time.perf_counter() > deadline:
+                return rows, True
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            kernel_ms = ms(lambda: layer._matmul(x, layer.weight, 32, layer.scales_and_zeros))
+            cublas_ms = ms(lambda: dequantized(x))
+            rows.append(dict(case=f"{M} rows x {name} [{N}, {K}]", rows=M, int4_kernel_ms=kernel_ms,
+                             dequantize_cublas_ms=cublas_ms))
+    return rows, False
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Kernel sweeps, {report['hardware']}", "", f"- date: {report['date']}, torch {report['torch']}, "
+             f"triton {report['triton']}", f"- command: `{report['command']}`", ""]
+    for section, rows in report["sections"].items():
+        if not rows:
+            continue
+        keys = [k for k in rows[0] if k != "case"]
+        lines += [f"## {section}", "", "| case | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for r in rows:
+            cells = [f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys]
+            lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if report["left_out"]:
+        lines.append("Left out by --time_budget: " + ", ".join(report["left_out"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        print(f"dry run: {', '.join(f'{k} {v}' for k, v in SWEEPS.items())}; int4 at rows {INT4_ROWS}; out {args.out}",
+              file=sys.stderr)
+        return None
+    import triton
+
+    deadline = time.perf_counter() + args.time_budget
+    report = dict(hardware=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  command="python scripts/tune_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  sections={}, left_out=[])
+    for section, measure in (("tree_attention", tree_attention_rows), ("int8_matmul", int8_rows), ("int4", int4_rows)):
+        report["sections"][section], stopped = measure(deadline)
+        if stopped:
+            report["left_out"].append(section)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        Path(str(args.out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    Path(str(args.out) + ".md").write_text(markdown(report))
+    print(f"wrote {args.out}.json, .md", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""int8_matmul.py: the W8A16 Triton kernel against the matmul with the dequantized weight, and
+quantize.WeightOnlyInt8Linear choosing it on CUDA for several rows.
+
+Without a GPU the kernel runs in Triton's interpreter, set up as in tests/test_tree_attention.py
+(TRITON_INTERPRET before the import, a reload if quantize.py imported the module first). The
+interpreter has no bfloat16 tl.dot: bfloat16 is checked on CUDA only.
+"""
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import quantize
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # for the rest of the session: triton reads it again at launch
+import int8_matmul  # noqa: E402
+
+if not torch.cuda.is_available() and not int8_matmul.INTERPRETED:
+    importlib.reload(int8_matmul)  # quantize.py imported it before the variable was set: decorate again
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not int8_matmul.INTERPRETED,
+                                                 reason="the kernel is compiled for the GPU (no TRITON_INTERPRET)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def case(M, N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight, scales = quantize.quantize_int8(torch.randn(N, K, generator=g))
+    return torch.randn(M, K, generator=g), weight, scales
+
+
+# rows: a draft level, a 60-node verify, two row blocks; sizes that are no multiple of any block
+@pytest.mark.parametrize("M, N, K", [(2, 64, 128), (7, 100, 200), (60, 96, 256), (130, 40, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_kernel_equals_the_dequantized_matmul(M, N, K, dtype, device):
+    x, weight, scales = case(M, N, K)
+    x = x.to(dtype)
+    expected = int8_matmul.reference(x, weight, scales)
+    y = int8_matmul.int8_matmul(x.to(device), weight.to(device), scales.to(dtype).to(device))
+    assert y.shape == (M, N) and y.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.cpu().float(), expected, atol=tol * expected.abs().max(), rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_launch_constants_are_read_at_every_call(device, monkeypatch):
+    """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
+    monkeypatch.setattr(int8_matmul, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(int8_matmul, "BLOCK_N", 16)
+    monkeypatch.setattr(int8_matmul, "BLOCK_K", 32)
+    x, weight, scales = case(40, 50, 100, seed=1)
+    y = int8_matmul.int8_matmul(x.to(device), weight.to(device), scales.to(device))
+    torch.testing.assert_close(y.cpu(), int8_matmul.reference(x, weight, scales), atol=1e-4, rtol=1e-5)
+
+
+def test_bad_input_gets_a_clear_error():
+    x, weight, scales = case(4, 8, 16)
+    with pytest.raises(ValueError, match=r"x \[M, K\], weight \[N, K\] and scales \[N\]"):
+        int8_matmul.int8_matmul(x[:, :8], weight, scales)
+    with pytest.raises(ValueError, match="int8 weights"):
+        int8_matmul.int8_matmul(x, weight.float(), scales)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@torch.no_grad()
+def test_int8_linear_on_cuda_takes_the_kernel_for_several_rows(monkeypatch):
+    calls = []
+    real = quantize.int8_matmul
+    monkeypatch.setattr(quantize, "int8_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 960)
+    layer = quantize.WeightOnlyInt8Linear.from_linear(lin).to("cuda", torch.bfloat16)
+    deq = quantize.dequantize_int8(layer.weight, layer.scales).cpu()
+    for rows in (1, 2, 60, quantize.CUDA_INT8_KERNEL_ROWS + 1):
+        x = torch.randn(1, rows, 576)
+        y = layer(x.cuda().bfloat16()).cpu().float()
+        expected = x @ deq.t() + lin.bias
+        torch.testing.assert_close(y, expected, atol=2e-2 * expected.abs().max(), rtol=2e-2)
+    assert calls == [(2, 576), (60, 576)]  # one row and a prefill's many take the cast
