@@ -324,7 +324,11 @@ def make_conversations(model, tokenizer, preset: Preset, prompts: dict, data_dir
     chat = lambda messages, gen=True: tokenizer.apply_chat_template(messages, add_generation_prompt=gen)  # noqa: E731
     firsts = [chat([{"role": "user", "content": text}]) for _, text in jobs]
     order = sorted(range(len(jobs)), key=lambda i: (sampled[i], len(firsts[i])))
-    batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)][:max_batches]
+    batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)]
+    # Batches run in a shuffled order so that a run cut short (--max_answer_batches) still sees
+    # short and long prompts, greedy and sampled answers, train and validation prompts.
+    random.Random(seed + 1).shuffle(batches)
+    batches = batches[:max_batches]
     stop_ids = set(tokenizer.stop_ids)
     for n, batch in enumerate(tqdm(batches, desc="conversations", unit="batch")):
         shard = data_dir / f"conv_{n:05d}.pt"
@@ -628,7 +632,8 @@ def validate3(draft, target, data, preset: Preset, device, autocast, draft_index
 
 @torch.no_grad()
 def measure_tau(target, draft, tokenizer, prompts, max_new_tokens=96, **tree):
-    """Mean accepted tokens per round of real EAGLE-2-tree decoding (greedy) on a few prompts."""
+    """Mean accepted tokens per round of real EAGLE-2-tree decoding (greedy) on a few prompts; None
+    when no round ran (every answer stopped at its first token, as a barely trained tiny target's may)."""
     draft = copy.deepcopy(draft).to(target.norm.weight.dtype)  # decode in the target's dtype
     draft.max_seq_length = -1  # training replaced the draft's KV cache: let the Speculator make one
     spec = Speculator(target, draft, stop_ids=tokenizer.stop_ids, **tree)
@@ -638,7 +643,7 @@ def measure_tau(target, draft, tokenizer, prompts, max_new_tokens=96, **tree):
                               device=target.norm.weight.device)
         _, per_round = speculative_generate(spec, prompt, max_new_tokens)
         rounds += per_round[0]
-    return sum(rounds) / len(rounds)
+    return sum(rounds) / len(rounds) if rounds else None
 
 
 def setup_for_training(draft, max_len: int):
@@ -754,8 +759,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab_report", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
                    help="eagle3: draft vocabulary sizes whose coverage of held-out answers is reported")
     p.add_argument("--max_answer_batches", type=int, default=None,
-                   help="answer only the first N generation batches (greedy answers come first, sorted by "
-                        "prompt length); trains on less data when time is short")
+                   help="answer only the first N generation batches; trains on less data when time is short")
     p.add_argument("--force", action="store_true", help="overwrite an existing head in OUT_DIR")
     for name, field in Preset.__dataclass_fields__.items():  # every preset value can be overridden
         p.add_argument(f"--{name}", type=type(field.default), default=None)

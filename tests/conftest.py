@@ -307,7 +307,7 @@ def eagle3_pair(seed: int = 0, vocab_size: int = 512, sharpness: float = 3.0, mi
     """A one-layer target whose next token is always the current one + 1 (mod V), and an EAGLE-3
     draft built to predict exactly that, so that long guesses get accepted (EOS inside accepted
     runs, compaction, end of the cache). The draft's vocabulary lacks a random share `missing` of
-    the tokens (those guesses are impossible, so runs end there and acceptance lengths vary).
+    the tokens, at least one (those guesses are impossible, so runs end there and acceptance lengths vary).
 
     Target: embeddings whose per-head slices are unit vectors (times sqrt(head_dim)), attention
     and MLP outputs zeroed (wo = w2 = 0), LM head row j = sharpness * e[j - 1]: logits peak at
@@ -322,7 +322,8 @@ def eagle3_pair(seed: int = 0, vocab_size: int = 512, sharpness: float = 3.0, mi
     g = torch.Generator().manual_seed(seed)
     e = torch.randn(vocab_size, c.n_head, c.head_dim, generator=g)
     e = (e / e.norm(dim=-1, keepdim=True) * c.head_dim ** 0.5).reshape(vocab_size, c.dim)
-    vocab = (torch.rand(vocab_size, generator=g) >= missing).nonzero().flatten()
+    n_missing = max(1, round(missing * vocab_size))  # at least one, whatever the seed
+    vocab = torch.randperm(vocab_size, generator=g)[n_missing:].sort().values
     draft = Eagle3Draft(draft_config_for(c, n_local_heads=c.n_head), len(vocab), eagle3_layer_ids(1)).eval()
     eye = torch.eye(c.dim)
     with torch.no_grad():
