@@ -28,23 +28,15 @@ The two classes share one interface, which is all the rest of the code uses:
 
 Files (draft_config.json + draft.safetensors) are read and written by checkpoint.py.
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import (
-    Attention,
-    FeedForward,
-    KVCache,
-    ModelArgs,
-    RMSNorm,
-    TransformerBlock,
-    TreeMask,
-    precompute_rope,
-)
+from model import (Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, TreeMask, live_kv_len,
+                   precompute_rope)
 from tree import StaticTree, Tree, expand, rerank, tree_structure
 
 
@@ -65,15 +57,19 @@ def setup_draft_caches(draft, max_batch_size: int, max_seq_length: int):
 
 
 def _positions(draft, embeds: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor], mask):
-    """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot."""
+    """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot
+    (over the live slots only, eager on a CPU: model.live_kv_len). Returns input_pos, cache_pos,
+    mask and kv_len (None: all slots)."""
     if draft.max_seq_length < 0:
         raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
     B, n, _ = embeds.shape
     input_pos = input_pos.expand(B, n)
     cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, n)
+    kv_len = None
     if mask is None:
-        mask = torch.arange(draft.max_seq_length, device=embeds.device) <= cache_pos[..., None]
-    return input_pos, cache_pos, mask
+        kv_len = live_kv_len(cache_pos)
+        mask = torch.arange(kv_len or draft.max_seq_length, device=embeds.device) <= cache_pos[..., None]
+    return input_pos, cache_pos, mask, kv_len
 
 
 class EagleDraft(nn.Module):
@@ -97,9 +93,9 @@ class EagleDraft(nn.Module):
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, dim] = f_t (true or
         predicted). Positions, slots and mask (dense or TreeMask) as in Transformer.forward.
         Returns f^_{t+1} [B, n, dim]."""
-        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
+        input_pos, cache_pos, mask, kv_len = _positions(self, embeds, input_pos, cache_pos, mask)
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
-        return self.layer(x, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
+        return self.layer(x, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask, kv_len)
 
     def log_probs(self, hidden: Tensor, target_head) -> Tensor:
         return F.log_softmax(target_head(hidden).float(), dim=-1)
@@ -123,9 +119,9 @@ class Eagle3Layer(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)     # post-attention norm
         self.feed_forward = FeedForward(config)
 
-    def forward(self, embeds, hidden, cos, sin, cache_pos, mask):
+    def forward(self, embeds, hidden, cos, sin, cache_pos, mask, kv_len=None):
         x = torch.cat([self.input_norm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.attention(x, cos, sin, cache_pos, mask)
+        h = hidden + self.attention(x, cos, sin, cache_pos, mask, kv_len)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -166,11 +162,11 @@ class Eagle3Draft(nn.Module):
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, 3 * dim] = the
         target's fused layer inputs at t (fc is applied), or [B, n, dim] = the draft's own output
         at t's parent, inside a tree (used as it is). Returns the layer's output o [B, n, dim]."""
-        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
+        input_pos, cache_pos, mask, kv_len = _positions(self, embeds, input_pos, cache_pos, mask)
         features = features.to(embeds.dtype)
         if features.size(-1) != self.config.dim:  # the shape says which: no data-dependent branch
             features = self.fc(features)
-        return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
+        return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask, kv_len)
 
     def log_probs(self, hidden: Tensor, target_head=None) -> Tensor:
         return F.log_softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
@@ -205,8 +201,16 @@ def dynamic_tree_slots(top_k: int, depth: int) -> int:
     return top_k * (depth - 1)
 
 
+class Pool(NamedTuple):
+    """Every candidate a dynamic tree considered, in pool order (level by level, grouped by parent):
+    what --tree_tokens auto reads to predict the acceptance of smaller trees."""
+    scores: Tensor  # [B, N] cumulative draft log-probabilities
+    depth: Tensor   # [N] the level of each candidate (1 = a child of the root)
+    keep: Tensor    # [B, n_nodes - 1] pool indices of the tree's nodes 1 .. n_nodes - 1
+
+
 def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, prefix_len: Tensor,
-                      top_k: int, depth: int, n_nodes: int) -> Tree:
+                      top_k: int, depth: int, n_nodes: int, with_pool: bool = False):
     """EAGLE-2: expand the top_k most probable nodes of each level, then keep the best n_nodes - 1.
 
     Level 1 holds the root's top_k children. For each level d = 1 .. depth - 1, one draft forward
@@ -214,7 +218,8 @@ def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, pre
     score plus its own draft log-probability (the log-probability of the whole path), and the
     top_k of those top_k^2 children form the next frontier. All children ever proposed stay
     candidates; at the end the n_nodes - 1 best scores become the tree (with the root in front).
-    Level d's frontier entries occupy region slots (d - 1) * top_k ... of the draft cache."""
+    Level d's frontier entries occupy region slots (d - 1) * top_k ... of the draft cache.
+    Returns the Tree, and with with_pool also the Pool of candidates."""
     B = root.size(0)
     k, device = top_k, root.device
     region = dynamic_tree_slots(k, depth)
@@ -245,11 +250,16 @@ def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, pre
         frontier_features = hidden.gather(1, parent[..., None].expand(-1, -1, hidden.size(-1)))
         frontier_sees = sees.gather(1, parent[..., None].expand(-1, -1, region))
         pool_size += k * k
-    pool_tokens = torch.cat(pool_tokens, 1)
-    keep, parents = rerank(torch.cat(pool_scores, 1), torch.cat(pool_parents, 1), n_nodes - 1)
+    pool_tokens, pool_scores = torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1)
+    keep, parents = rerank(pool_scores, torch.cat(pool_parents, 1), n_nodes - 1)
     tokens = torch.cat([root[:, None], pool_tokens.gather(1, keep)], dim=1)
     node_depth, ancestors, paths = tree_structure(parents, depth)
-    return Tree(tokens, parents, node_depth, ancestors, paths)
+    tree = Tree(tokens, parents, node_depth, ancestors, paths)
+    if not with_pool:
+        return tree
+    levels = torch.repeat_interleave(torch.arange(1, depth + 1, device=device),
+                                     torch.tensor([k] + [k * k] * (depth - 1), device=device))
+    return tree, Pool(pool_scores, levels, keep)
 
 
 def grow_static_tree(draft, embed, head, tree: StaticTree, root: Tensor, root_hidden: Tensor,

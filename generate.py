@@ -26,15 +26,10 @@ from torch import Tensor
 import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
-from model import Transformer, set_attention_backend
+from model import Transformer, pack_linears, set_attention_backend
 from sampling import all_stopped, cut_at_stop, sample
-from speculative import (
-    Speculator,
-    auto_tree_tokens,
-    compile_round,
-    device_sync,
-    speculative_generate,
-)
+from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_round, device_sync, file_key, machine_key,
+                         speculative_generate)
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
 
@@ -176,12 +171,16 @@ def parse_args(argv=None):
                         "head (fused layers, its own reduced-vocabulary LM head), dynamic tree")
     g.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="EAGLE draft folder (default: eagle/ beside the checkpoint; eagle3/ for --speculate eagle3)")
-    g.add_argument("--tree_top_k", type=int, default=10, help="eagle2/eagle3: children per expanded node")
+    g.add_argument("--tree_top_k", type=int, default=None,
+                   help="eagle2/eagle3: children per expanded node (default 10; with auto, chosen unless given)")
     g.add_argument("--tree_depth", type=int, default=None,
-                   help="eagle2/eagle3: levels of draft guesses (default 6 for eagle2, 8 for eagle3, as in their papers)")
-    g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=60,
-                   help="eagle2/eagle3: nodes verified per round, root included; auto: measure this hardware and "
-                        "pick the size predicted to be fastest, or vanilla decoding if none wins")
+                   help="eagle2/eagle3: levels of draft guesses (default 6 for eagle2, 8 for eagle3, as in their "
+                        "papers; with auto, chosen unless given)")
+    g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=None,
+                   help="eagle2/eagle3: nodes verified per round, root included (default: auto on a CPU, 60 on a "
+                        "GPU); auto: choose top_k, depth and tokens from what rounds cost on this machine and how "
+                        "often the head's guesses are accepted, measured once and cached "
+                        "(speculative.auto_shape), or decode without speculation if no tree pays")
     g.add_argument("--tree", type=Path, default=None,
                    help="eagle: JSON list of child-rank paths for the static tree (default: mc_sim_7b_63)")
     g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
@@ -235,8 +234,12 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    if args.tree_depth is None:
-        args.tree_depth = SPECULATE.get(args.speculate, SPECULATE["eagle2"])["depth"]
+    if args.tree_tokens is None:  # a CPU's verify cost grows with the tree: measure there
+        args.tree_tokens = "auto" if args.device == "cpu" and args.speculate in ("eagle2", "eagle3") else 60
+    if args.tree_tokens != "auto":  # auto searches what is not given
+        args.tree_top_k = 10 if args.tree_top_k is None else args.tree_top_k
+        args.tree_depth = SPECULATE.get(args.speculate, SPECULATE["eagle2"])["depth"] if args.tree_depth is None \
+            else args.tree_depth
     return args
 
 
@@ -257,13 +260,28 @@ def check_head(method: str, draft, path):
         raise ValueError(f"{path} holds {kind} head: use --speculate {right}, or pass the right --draft_checkpoint_path")
 
 
-def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_ids=None):
+# --tree_tokens auto probes the head's acceptance on these, always the same (so that its cached
+# measurement serves every later prompt), none from an evaluation set.
+PROBE_TEXTS = ["Explain how a bicycle stays upright.", "Write a short poem about the sea.",
+               "Give me three tips for learning a new language.", "What is the difference between weather and climate?"]
+
+
+def probe_prompts(tokenizer, chat: bool = True) -> list:
+    """PROBE_TEXTS as token ids (in the chat template, with chat)."""
+    if chat:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in PROBE_TEXTS]
+    return [tokenizer.encode(text) for text in PROBE_TEXTS]
+
+
+def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes=None):
     """A function prompt_ids, max_new_tokens, callback -> (new ids, tokens per round or None)
     for the decoding method the command line asks for, compiled if asked. Caches are allocated
     here, once, for prompt + new tokens up to max_seq_length, so that no later call changes a
-    compiled shape. probe_ids: the prompt that --tree_tokens auto measures on; when it picks no
+    compiled shape. probes: the prompts (lists of ids) --tree_tokens auto measures on; when it picks no
     tree, args.speculate becomes "none"."""
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if not args.compile:
+        pack_linears(model)  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         if args.compile:
@@ -281,11 +299,19 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probe_
 
     draft = load_draft(args.draft_checkpoint_path, model.config, args.device, model.norm.weight.dtype)
     check_head(args.speculate, draft, args.draft_checkpoint_path)
+    if not args.compile:
+        pack_linears(draft)
     if args.tree_tokens == "auto":
-        args.tree_tokens = auto_tree_tokens(model, draft, probe_ids, tree_top_k=args.tree_top_k,
-                                            tree_depth=args.tree_depth,
-                                            cuda_graphs=args.compile and args.device.startswith("cuda"), **sampling)
-        if args.tree_tokens is None:
+        shape = auto_shape(
+            model, draft, probes, stop_ids=stop_ids, cuda_graphs=args.compile and args.device.startswith("cuda"),
+            top_ks=AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
+            depths=range(1, 9) if args.tree_depth is None else (args.tree_depth,),
+            cache_key=dict(machine_key(args.device), model=file_key(args.checkpoint_path),
+                           draft=file_key(args.draft_checkpoint_path), dtype=str(model.norm.weight.dtype),
+                           compiled=args.compile, packed=not args.compile), **sampling)
+        args.tree_top_k, args.tree_depth, args.tree_tokens = (None, None, None) if shape is None else (
+            shape["tree_top_k"], shape["tree_depth"], shape["tree_tokens"])
+        if shape is None:
             args.speculate = "none"
             return make_decoder(args, model, stop_ids, max_seq_length)
     static = None
@@ -329,8 +355,8 @@ def main(argv=None):
 
     if args.interactive:
         context = min(model.config.block_size, 4096)
-        probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! What can you help me with?"}])
-        return interactive(make_decoder(args, model, tokenizer.stop_ids, context, probe), context, tokenizer, args)
+        return interactive(make_decoder(args, model, tokenizer.stop_ids, context, probe_prompts(tokenizer)),
+                           context, tokenizer, args)
 
     text = args.prompt_file.read_text() if args.prompt_file else (args.prompt or "Hello, my name is")
     if args.chat:
@@ -344,7 +370,7 @@ def main(argv=None):
     try:
         if args.compare:
             return compare(args, model, tokenizer, prompt_ids, needed)
-        decode = make_decoder(args, model, tokenizer.stop_ids, needed, prompt_ids)
+        decode = make_decoder(args, model, tokenizer.stop_ids, needed, probe_prompts(tokenizer, args.chat))
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 
@@ -410,7 +436,7 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
     they must be, in float32: speculation is lossless). Returns the report (--output_json)."""
     plain = make_decoder(argparse.Namespace(**{**vars(args), "speculate": "none"}), model, tokenizer.stop_ids,
                          max_seq_length)
-    speculative = make_decoder(args, model, tokenizer.stop_ids, max_seq_length, prompt_ids)
+    speculative = make_decoder(args, model, tokenizer.stop_ids, max_seq_length, probe_prompts(tokenizer, args.chat))
     method = args.speculate  # "none" when --tree_tokens auto found no tree worth it
     runs = {}
     for name, decode in (("plain", plain), ("speculative", speculative)):

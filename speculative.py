@@ -8,12 +8,17 @@ the accepted nodes' K/V down to the end of the prefix:
     Speculator             target + draft + the state between rounds; round() is one graph
     speculative_generate   the driver: prefill, rounds until every row stops
     compile_round          torch.compile of a round
-    choose_tree_tokens ... --tree_tokens auto: what a round costs on this machine
+    auto_shape ...         --tree_tokens auto: the tree shape from what rounds cost on this machine
 """
+import hashlib
+import json
+import os
+import platform
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -23,7 +28,7 @@ import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree
 from model import Transformer, TreeMask, copy_slots
 from sampling import cut_at_stop, logits_to_probs, sample, sample_from
-from tree import Tree
+from tree import Tree, tree_structure
 
 
 def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] = None,
@@ -191,12 +196,12 @@ class Speculator(nn.Module):
                             (self.prefix_len - self.cu_count)[:, None] + steps)
         return hidden[torch.arange(B, device=device), self.cu_count - 1]
 
-    def grow(self, root_hidden: Tensor) -> Tree:
-        """The tree of guesses."""
+    def grow(self, root_hidden: Tensor, with_pool: bool = False):
+        """The tree of guesses (and, with_pool, a dynamic tree's pool of candidates: auto_shape)."""
         target, draft = self.target, self.draft
         if self.static is None:
             return grow_dynamic_tree(draft, target.tok_embeddings, target.output, self.root, root_hidden,
-                                     self.prefix_len, self.tree_top_k, self.depth, self.n_nodes)
+                                     self.prefix_len, self.tree_top_k, self.depth, self.n_nodes, with_pool)
         return grow_static_tree(draft, target.tok_embeddings, target.output, self.static, self.root, root_hidden,
                                 self.prefix_len)
 
@@ -269,116 +274,238 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# --tree_tokens auto. A round that verifies T nodes costs round(T) seconds and emits tau(T)
-# tokens, where vanilla decoding spends one step per token. On a GPU that is bound by reading the
-# weights, verifying 60 tokens costs little more than one; on a CPU, which is bound by arithmetic,
-# the cost grows with T and a big tree can be slower than no tree at all.
+# --tree_tokens auto: the tree's shape (top_k, depth, tokens) from a cost model of this machine.
+#
+# A round with shape (k, d, T) costs
+#     round(k, d, T) = other + grow_1(k) + (d - 1) * level(k) + verify(T)
+# seconds (catch-up, acceptance, compaction and bookkeeping; the tree's first level; each further
+# level; the target's forward over T tokens) and emits tau(k, d, T) tokens, for which vanilla
+# decoding would take tau steps: the predicted speedup is tau * step / round. On a GPU, bound by
+# reading the weights, verify(T) hardly grows with T; on a CPU it does, and a big tree can be
+# slower than none, so the shape is chosen per machine, and vanilla decoding when none pays.
+#
+# tau comes from probe rounds, one top_k at a time, with the deepest and largest tree: a tree of
+# depth d and T tokens keeps the T - 1 best-scored candidates of depth <= d of the same pool of
+# candidates (the frontier of each level depends on top_k only), a subset closed under ancestors,
+# so its accepted path is the longest prefix of the probe's accepted path whose nodes it keeps:
+# exact for greedy acceptance, an estimate when sampling.
 # ---------------------------------------------------------------------------------------------
-AUTO_TREE_SIZES = (4, 8, 16, 32, 64, 128)
-AUTO_MIN_SPEEDUP = 1.1  # the predicted speedup a tree must reach to be used instead of vanilla decoding
+AUTO_TOP_K = (4, 6, 8, 10)
+AUTO_TOKENS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+AUTO_ROUNDS = 16         # probe rounds per top_k
+AUTO_MIN_SPEEDUP = 1.05  # a tree must be predicted this much faster than vanilla decoding to be used
 
 
-def choose_tree_tokens(step_s: float, rounds: dict, min_speedup: float = AUTO_MIN_SPEEDUP):
-    """The rule of --tree_tokens auto, a pure function of measured costs.
+class ShapeCosts(NamedTuple):
+    """Seconds, measured in the mode that will run (measure_shapes)."""
+    step: float     # one vanilla decode step
+    verify: dict    # {T: the target's forward over T tree tokens}
+    grow: dict      # {top_k: (the tree's first level, each further level)}
+    other: float    # the rest of a round: catch-up, acceptance, compaction, bookkeeping
 
-    step_s: seconds per vanilla decode step; rounds: {tree size T: (seconds per round, tokens per
-    round)}. A round emits tau(T) tokens for which vanilla decoding would take tau(T) steps, so
-    the predicted speedup is tau(T) * step_s / round_s(T). Returns (the size with the best
-    prediction, or None for vanilla decoding when even the best is below min_speedup, and
-    {T: predicted speedup}). The margin covers measurement noise and what a few rounds leave out,
-    so that a close call goes to vanilla: a wrong choice must not make decoding slower."""
-    predicted = {T: tau * step_s / seconds for T, (seconds, tau) in sorted(rounds.items())}
-    best = max(predicted, key=predicted.get, default=None)
-    return (best if best is not None and predicted[best] >= min_speedup else None), predicted
+    def round(self, top_k: int, depth: int, tokens: int) -> float:
+        first, level = self.grow[top_k]
+        return self.other + first + (depth - 1) * level + self.verify[tokens]
+
+
+def predicted_tau(probes: list, depth: int, tokens: int) -> float:
+    """Mean tokens per round of the tree (depth, tokens) over probe rounds: each probe is (scores
+    [N], depth [N] of every candidate, the pool indices of the accepted path's nodes, root first)."""
+    total = 0.0
+    for scores, levels, accepted in probes:
+        inside = scores[levels <= depth]
+        bar = inside.topk(tokens - 1).values[-1] if tokens - 1 < inside.numel() else -float("inf")
+        n = 0
+        for i in accepted:  # the accepted path's prefix that this tree keeps
+            if levels[i] > depth or scores[i] < bar:
+                break
+            n += 1
+        total += 1 + n
+    return total / len(probes)
+
+
+def most_tokens(top_k: int, depth: int) -> int:
+    """The largest tree a dynamic tree of this top_k and depth can keep, root included."""
+    return 1 + top_k + (depth - 1) * top_k ** 2
+
+
+def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS,
+                 min_speedup: float = AUTO_MIN_SPEEDUP):
+    """The rule of --tree_tokens auto, a pure function of measured costs and probes.
+
+    acceptance: {top_k: probes (predicted_tau)}. Returns (the best shape as dict(tree_top_k,
+    tree_depth, tree_tokens), or None for vanilla decoding when even the best is predicted below
+    min_speedup; and every shape's (predicted speedup, tau, round / step), best first). The margin
+    covers measurement noise and what the probe prompts cannot say, so that a close call goes to
+    vanilla: a wrong choice must not make decoding slower."""
+    table = []
+    for k, probes in acceptance.items():
+        for d in depths:
+            for T in tokens:
+                if k not in costs.grow or T not in costs.verify or not 2 <= T <= most_tokens(k, d):
+                    continue
+                tau = predicted_tau(probes, d, T)
+                cost = costs.round(k, d, T) / costs.step
+                table.append((tau / cost, tau, cost, dict(tree_top_k=k, tree_depth=d, tree_tokens=T)))
+    table.sort(key=lambda row: -row[0])
+    best = table[0] if table and table[0][0] >= min_speedup else None
+    return (None if best is None else best[3]), table
 
 
 @torch.no_grad()
-def measure_tree_costs(model: Transformer, draft, prompt: Tensor, sizes=AUTO_TREE_SIZES, *, tree_top_k: int = 10,
-                       tree_depth: int = 6, n_rounds: int = 3, temperature: float = 0.0, top_k=None, top_p=None,
-                       cuda_graphs: bool = False):
-    """Eager timings for choose_tree_tokens on this hardware: (seconds per vanilla decode step,
-    {T: (seconds per round, tokens per round)}) for the EAGLE-2 tree sizes in `sizes` that
-    tree_top_k and tree_depth allow, smallest first. Each size runs n_rounds + 1 rounds from the
-    prompt [1, L]; times are medians after the first; tokens per round estimate tau on this prompt.
-    Sizes stop once a round costs so much that even tree_depth + 1 tokens, the most a round can
-    emit, would not make it AUTO_MIN_SPEEDUP faster: larger trees only cost more. Eager, not
-    compiled, because compiling every size would take minutes; where eager mode is slow to launch
-    kernels (a GPU), it overstates what a round costs more than what a step does, which errs
-    toward vanilla. On a 2-core CPU the opposite was measured (a compiled round cost 3.1 steps,
-    an eager one 2.4: benchmarks/README.md), so there a close call can still lose a little.
-
-    cuda_graphs (for a compiled run on CUDA, where eager mode is launch-bound and would bias the
-    choice toward no tree): time replays of the eager step and of each size's round captured in
-    a CUDA graph (cuda_graph): the kernels eager mode launches, without the launch overhead that
-    a compiled run's CUDA graph removes too, and without compiling every size.
-
-    Under tensor parallelism every rank takes rank 0's timings (tp.from_rank0), so that all stop at
-    the same size and choose the same one: a rank that ran one round more than the others would
-    leave its all-reduces unanswered."""
-    device, L = str(prompt.device), prompt.size(1)
+def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, max_depth: int = 8,
+                   tokens=AUTO_TOKENS, rounds: int = AUTO_ROUNDS, temperature: float = 0.0, top_k=None, top_p=None,
+                   stop_ids=(), cuda_graphs: bool = False):
+    """What choose_shape needs, measured on this machine: (ShapeCosts, acceptance). Probe rounds
+    run on the prompts (lists of ids), one top_k at a time, with the deepest tree and the largest
+    number of tokens; the step, each tree level and verify(T) are timed on their own (medians).
+    cuda_graphs: time replays of CUDA graphs of the eager step, tree growth and verify, as a
+    compiled run on CUDA executes them (eager mode there is launch-bound and would overstate the
+    small draft forwards). Under tensor parallelism every rank takes rank 0's timings
+    (tp.from_rank0), so that all choose the same shape."""
+    device = model.norm.weight.device
     sampling = (temperature, top_k, top_p)
-    most = 1 + tree_top_k + (tree_depth - 1) * tree_top_k ** 2
-    budget = (n_rounds + 2) * (tree_depth + 1) + 1  # more than the rounds (and a warm-up) can emit: no row stops
+    budget = rounds * (max_depth + 1) + 2 * (max_depth + 1)
+    longest = max(len(p) for p in prompts)
 
-    def median_seconds(fn):
+    def seconds(fn, repeats=5):
+        fn = cuda_graph(fn) if cuda_graphs else fn
         times = []
-        for _ in range(n_rounds + 1):
+        for _ in range(repeats + 1):
             device_sync(device)
             t = time.perf_counter()
             fn()
             device_sync(device)
             times.append(time.perf_counter() - t)
-        return statistics.median(times[1:])
+        return tp.from_rank0(statistics.median(times[1:]))
 
-    model.setup_caches(1, L + budget)
-    token = sample(model(prompt, torch.arange(L, device=prompt.device))[:, -1], *sampling)
-    input_pos = torch.tensor([L], device=prompt.device)
+    acceptance, grow, others = {}, {}, []
+    largest = max(T for T in tokens if T <= max(most_tokens(k, max_depth) for k in top_ks))
+    for k in top_ks:
+        spec = Speculator(model, draft, tree_top_k=k, tree_depth=max_depth,
+                          tree_tokens=min(largest, most_tokens(k, max_depth)), temperature=temperature,
+                          top_k=top_k, top_p=top_p, stop_ids=stop_ids)
+        spec.setup(1, longest + budget)
+        probes, turn = [], 0
+        for i in range(rounds):
+            if i == 0 or bool(spec.done[0]):  # the next prompt, round robin
+                spec.prefill(torch.tensor([prompts[turn % len(prompts)]], device=device), budget)
+                turn += 1
+            device_sync(device)
+            t = time.perf_counter()
+            root_hidden = spec.catch_up()
+            device_sync(device)
+            caught_up = time.perf_counter() - t
+            tree, pool = spec.grow(root_hidden, with_pool=True)
+            logits, features = spec.verify(tree)
+            device_sync(device)
+            t = time.perf_counter()
+            node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
+            path = spec.compact(tree, node)
+            spec.advance(tree, path, n_accepted, bonus, features)
+            device_sync(device)
+            others.append(caught_up + time.perf_counter() - t)
+            m = int(n_accepted[0])
+            accepted = pool.keep[0, path[0, 1:m + 1] - 1].tolist()
+            probes.append((pool.scores[0].float().cpu(), pool.depth.cpu(), accepted))
+        acceptance[k] = probes
+        # the first level alone, and all of them, from the same state
+        root_hidden = spec.catch_up()
+        first = seconds(lambda: grow_dynamic_tree(draft, model.tok_embeddings, model.output, spec.root, root_hidden,
+                                                  spec.prefix_len, k, 1, 2))
+        full = seconds(lambda: spec.grow(root_hidden))
+        grow[k] = (first, max(0.0, (full - first) / (max_depth - 1)))
+    # verify(T): the target's forward over T tree tokens (a chain) after a real prefix
+    spec.prefill(torch.tensor([prompts[0]], device=device), budget)
+    verify = {}
+    for T in tokens:
+        if T > largest:
+            continue
+        parents = torch.arange(-1, T - 1, device=device)[None]
+        chain = Tree(spec.root[:, None].expand(1, T).clone(), parents, *tree_structure(parents, T - 1))
+        verify[T] = seconds(lambda: model(chain.tokens, spec.prefix_len[:, None] + chain.depth,
+                                          model.max_seq_length - T + torch.arange(T, device=device),
+                                          TreeMask(spec.prefix_len, chain.ancestors)))
+    token = spec.root.clone()
+    position = spec.prefix_len.clone()
 
     def step():  # one vanilla decode step, as generate.decode_one_token (in place: a CUDA graph replays it)
-        token.copy_(sample(model(token[:, None], input_pos)[:, -1], *sampling))
-        input_pos.add_(1)
+        token.copy_(sample(model(token[:, None], position[:, None])[:, -1], *sampling))
 
-    step_s = tp.from_rank0(median_seconds(cuda_graph(step) if cuda_graphs else step))
-    rounds = {}
-    for T in sorted(T for T in sizes if 2 <= T <= most):
-        spec = Speculator(model, draft, tree_top_k=tree_top_k, tree_depth=tree_depth, tree_tokens=T,
-                          temperature=temperature, top_k=top_k, top_p=top_p)
-        spec.setup(1, L + budget + 2 * (tree_depth + 1))
-        spec.prefill(prompt, budget)
-        round_fn = cuda_graph(spec.round) if cuda_graphs else spec.round
-        emitted = int(spec.n_out[0])  # (cuda_graph ran a warm-up round)
-        seconds = tp.from_rank0(median_seconds(round_fn))
-        rounds[T] = (seconds, (int(spec.n_out[0]) - emitted) / (n_rounds + 1))
-        if (tree_depth + 1) * step_s / seconds < AUTO_MIN_SPEEDUP:
-            break
-    return step_s, rounds
+    costs = ShapeCosts(step=seconds(step), verify=verify, grow=grow, other=tp.from_rank0(statistics.median(others)))
+    return costs, acceptance
 
 
-def auto_tree_tokens(model: Transformer, draft, prompt_ids, *, tree_top_k: int = 10, tree_depth: int = 6,
-                     cuda_graphs: bool = False, **sampling) -> Optional[int]:
-    """--tree_tokens auto: measure (a few seconds), choose, and say what was chosen and why.
-    Returns the tree size, or None for vanilla decoding. cuda_graphs: as measure_tree_costs, for
-    a compiled run on CUDA."""
-    if not prompt_ids:
-        raise ValueError("--tree_tokens auto measures on a prompt; none was given")
-    prompt = torch.tensor([list(prompt_ids)], device=model.norm.weight.device)
+def auto_shape(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
+               cuda_graphs: bool = False, cache_key: Optional[dict] = None, **sampling) -> Optional[dict]:
+    """--tree_tokens auto: measure (or read the cache), choose, and say what was chosen and why.
+    Returns dict(tree_top_k, tree_depth, tree_tokens), or None for vanilla decoding. cache_key:
+    what identifies the measurement (machine, model, head, dtype, mode, sampling); with it, the
+    costs and probes are kept in auto_cache_dir() and a second run reads them instead of
+    measuring again."""
+    if not prompts or not all(prompts):
+        raise ValueError("--tree_tokens auto measures on prompts; none was given")
+    cache = None if cache_key is None else auto_cache_dir() / (_digest(dict(
+        cache_key, top_ks=list(top_ks), max_depth=max(depths), tokens=list(AUTO_TOKENS), rounds=AUTO_ROUNDS,
+        sampling=sampling)) + ".pt")
     t = time.perf_counter()
-    step_s, rounds = measure_tree_costs(model, draft, prompt, tree_top_k=tree_top_k, tree_depth=tree_depth,
-                                        cuda_graphs=cuda_graphs, **sampling)
-    choice, predicted = choose_tree_tokens(step_s, rounds)
-    print(f"--tree_tokens auto: measured for {time.perf_counter() - t:.1f} s; a vanilla step takes {step_s * 1e3:.1f} ms",
-          file=sys.stderr)
-    for T, speedup in predicted.items():
-        seconds, tau = rounds[T]
-        print(f"  {T:4d} tree tokens: a round costs {seconds / step_s:5.2f} steps and emitted {tau:.2f} tokens "
-              f"-> predicted speedup {speedup:.2f}x", file=sys.stderr)
-    if choice is None:
-        print(f"--tree_tokens auto: no tree size is predicted to be {AUTO_MIN_SPEEDUP}x faster than vanilla decoding "
-              f"on this hardware: decoding without speculation", file=sys.stderr)
+    if cache is not None and cache.is_file():
+        costs, acceptance = _read_cache(cache)
+        how = f"read {cache}"
     else:
-        print(f"--tree_tokens auto: chose {choice} tree tokens (predicted {predicted[choice]:.2f}x)", file=sys.stderr)
+        costs, acceptance = measure_shapes(model, draft, prompts, top_ks=top_ks, max_depth=max(depths),
+                                           stop_ids=stop_ids, cuda_graphs=cuda_graphs, **sampling)
+        how = f"measured for {time.perf_counter() - t:.1f} s"
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"costs": costs._asdict(), "acceptance": acceptance}, cache)
+    choice, table = choose_shape(costs, acceptance, depths)
+    print(f"--tree_tokens auto: {how}; a vanilla step takes {costs.step * 1e3:.1f} ms. Best shapes "
+          f"(top_k, depth, tokens: predicted tokens per round, round cost in steps, speedup):", file=sys.stderr)
+    for speedup, tau, cost, shape in table[:5]:
+        print(f"  {shape['tree_top_k']:3d} {shape['tree_depth']:3d} {shape['tree_tokens']:4d}: tau {tau:.2f}, "
+              f"round {cost:.2f} steps -> {speedup:.2f}x", file=sys.stderr)
+    if choice is None:
+        print(f"--tree_tokens auto: no tree is predicted to be {AUTO_MIN_SPEEDUP}x faster than vanilla decoding "
+              f"on this machine: decoding without speculation", file=sys.stderr)
     return choice
 
+
+def auto_cache_dir() -> Path:
+    """Where --tree_tokens auto keeps its measurements: $EAGLE_AUTO_CACHE, else the user's cache."""
+    return Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "auto")
+
+
+def machine_key(device) -> dict:
+    """The machine, as far as timings depend on it."""
+    if str(device).startswith("cuda"):
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() \
+            else platform.processor()
+    return dict(hardware=hardware, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                host=platform.node())
+
+
+def file_key(path) -> dict:
+    """A file, as far as its contents matter: name, size and modification time."""
+    path = Path(path)
+    target = path / "draft.safetensors" if path.is_dir() else path
+    stat = target.stat()
+    return dict(path=str(target.resolve()), size=stat.st_size, mtime=stat.st_mtime_ns)
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path):
+    saved = torch.load(path, weights_only=True)
+    costs = saved["costs"]
+    costs = ShapeCosts(step=costs["step"], verify={int(k): v for k, v in costs["verify"].items()},
+                       grow={int(k): tuple(v) for k, v in costs["grow"].items()}, other=costs["other"])
+    return costs, {int(k): v for k, v in saved["acceptance"].items()}
 
 
 def device_sync(device: str):

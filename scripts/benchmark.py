@@ -68,7 +68,7 @@ import speculative  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
-from model import ModelArgs, Transformer, set_attention_backend  # noqa: E402
+from model import ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
 from quantize import pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
@@ -97,9 +97,12 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
     p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
-    p.add_argument("--tree_top_k", type=int, default=10, help="eagle2 (and random weights): children per node")
-    p.add_argument("--tree_depth", type=int, default=6, help="eagle2 (and random weights): levels of guesses")
-    p.add_argument("--tree_depth3", type=int, default=8, help="eagle3: levels of guesses (8 in the EAGLE-3 paper)")
+    p.add_argument("--tree_top_k", type=int, default=None,
+                   help="eagle2/eagle3 (and random weights): children per node (default 10; auto: searched unless given)")
+    p.add_argument("--tree_depth", type=int, default=None,
+                   help="eagle2 (and random weights): levels of guesses (default 6; auto: searched unless given)")
+    p.add_argument("--tree_depth3", type=int, default=None,
+                   help="eagle3: levels of guesses (default 8, as in the EAGLE-3 paper; auto: searched unless given)")
     p.add_argument("--tree_tokens", type=gen._tree_tokens_arg, default=60,
                    help="eagle2/eagle3: nodes per round, root included, or auto (measured per method and temperature)")
     p.add_argument("--compile", action="store_true", help="compile the decode step and the rounds")
@@ -213,6 +216,8 @@ def parse_args(argv=None):
     if args.out is None:
         name = f"random-{args.model_name}" if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
         args.out = ROOT / "benchmarks" / name
+    if args.random_weights:  # the shape of the rounds measured (auto is for MT-bench)
+        args.tree_top_k, args.tree_depth = args.tree_top_k or 10, args.tree_depth or 6
     if args.steps is None:
         args.steps = 100 if args.device.startswith("cuda") else 10
     if args.time_budget is None:
@@ -293,9 +298,10 @@ def load_questions(path: Path, n=None) -> list:
     return sorted(picked, key=questions.index)
 
 
-def tree_shapes(args, model: Transformer, drafts: dict, probe_ids) -> dict:
+def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) -> dict:
     """{(method, temperature): the speculative tree's shape, or None where --tree_tokens auto
-    chose vanilla decoding}. A shape is dict(static=...) or dict(tree_top_k, tree_depth, tree_tokens)."""
+    chose vanilla decoding}. A shape is dict(static=...) or dict(tree_top_k, tree_depth, tree_tokens).
+    auto measures on probes (generate.probe_prompts: no evaluation data), in the mode of the run."""
     statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]), "eagle": static_tree(mc_sim_7b_63)}
     shapes = {}
     for method in args.methods[1:]:
@@ -304,23 +310,29 @@ def tree_shapes(args, model: Transformer, drafts: dict, probe_ids) -> dict:
                 shapes[method, T] = dict(static=statics[method])
                 continue
             depth = args.tree_depth3 if method == "eagle3" else args.tree_depth
-            tokens = args.tree_tokens
-            if tokens == "auto":
-                tokens = speculative.auto_tree_tokens(model, drafts[HEAD_OF[method]], probe_ids,
-                                                      tree_top_k=args.tree_top_k, tree_depth=depth,
-                                                      cuda_graphs=args.compile and args.device.startswith("cuda"),
-                                                      temperature=T)
-            shapes[method, T] = None if tokens is None else dict(tree_top_k=args.tree_top_k, tree_depth=depth,
-                                                                 tree_tokens=tokens)
+            if args.tree_tokens != "auto":
+                shapes[method, T] = dict(tree_top_k=args.tree_top_k or 10, tree_depth=depth or gen.SPECULATE[method][
+                    "depth"], tree_tokens=args.tree_tokens)
+                continue
+            head = args.draft3_checkpoint_path if method == "eagle3" else args.draft_checkpoint_path
+            print(f"{method} at temperature {T:g}:", file=sys.stderr)
+            shapes[method, T] = speculative.auto_shape(
+                model, drafts[HEAD_OF[method]], probes, stop_ids=stop_ids, temperature=T,
+                top_ks=speculative.AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
+                depths=range(1, 9) if depth is None else (depth,),
+                cuda_graphs=args.compile and args.device.startswith("cuda"),
+                cache_key=dict(speculative.machine_key(args.device), model=speculative.file_key(args.checkpoint_path),
+                               draft=speculative.file_key(head), dtype=args.dtype, compiled=args.compile,
+                               packed=not args.compile))
     return shapes
 
 
-def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probe_ids) -> tuple:
+def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
     """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per round or None)},
     and the tree shapes (tree_shapes). All methods share the target and the drafts and their
     caches, allocated here once for the largest tree, before anything is compiled."""
     device = args.device
-    shapes = tree_shapes(args, model, drafts, probe_ids)
+    shapes = tree_shapes(args, model, drafts, probes, stop_ids)
     specs = {key: speculative.Speculator(model, drafts[HEAD_OF[key[0]]], stop_ids=stop_ids, temperature=key[1],
                                          **shape)
              for key, shape in shapes.items() if shape is not None}
@@ -459,9 +471,13 @@ def run_mt_bench(args, argv=None) -> dict:
     most_turns = max(len(q["turns"]) for q in questions)
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
     probe_ids = conversation(questions[0], 0, [])
-    decoders, shapes = build_decoders(args, model, drafts, tokenizer.stop_ids, context, probe_ids)
-    if args.peers:  # after the draft is loaded (the peers need none); run after ours, vanilla first
-        decoders.update(build_peers(args, model, tokenizer.stop_ids))
+    peers = build_peers(args, model, tokenizer.stop_ids) if args.peers else {}  # from the plain weights
+    if not args.compile:  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
+        for module in (model, *drafts.values()):
+            pack_linears(module)
+    decoders, shapes = build_decoders(args, model, drafts, tokenizer.stop_ids, context, gen.probe_prompts(tokenizer))
+    if args.peers:  # run after ours, vanilla first
+        decoders.update(peers)
         args.methods = [*args.methods, *PEERS]
 
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
@@ -534,15 +550,17 @@ def method_notes(args, shapes) -> dict:
     notes = {"vanilla": "one target forward per token",
              "chain": f"static chain of {args.chain_depth} guesses (EAGLE-1/2 head, no tree)",
              "eagle": "EAGLE-1 static tree mc_sim_7b_63: 26 nodes, depth 5",
-             "eagle2": f"EAGLE-2 dynamic tree (EAGLE-1/2 head): top_k {args.tree_top_k}, depth {args.tree_depth}, "
-                       f"tokens {args.tree_tokens}",
-             "eagle3": f"EAGLE-3 head, dynamic tree: top_k {args.tree_top_k}, depth {args.tree_depth3}, "
-                       f"tokens {args.tree_tokens}"}
+             "eagle2": "EAGLE-2 dynamic tree (EAGLE-1/2 head)", "eagle3": "EAGLE-3 head, dynamic tree"}
+
+    def shape_text(shape):
+        return "vanilla decoding" if shape is None else \
+            f"top_k {shape['tree_top_k']}, depth {shape['tree_depth']}, {shape['tree_tokens']} tokens"
+
     for method in ("eagle2", "eagle3"):
         chosen = {T: shape for (m, T), shape in shapes.items() if m == method}
-        if args.tree_tokens == "auto" and chosen:
-            notes[method] += " (chose " + ", ".join(
-                f"T={T:g}: {shape['tree_tokens'] if shape else 'vanilla decoding'}" for T, shape in chosen.items()) + ")"
+        if chosen:
+            notes[method] += (" (--tree_tokens auto chose " if args.tree_tokens == "auto" else ": ") + ", ".join(
+                f"T={T:g}: {shape_text(shape)}" for T, shape in chosen.items()) + (")" if args.tree_tokens == "auto" else "")
     if args.peers:
         import transformers
 

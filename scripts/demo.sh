@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# End-to-end demo: set up .venv, fetch + convert SmolLM2-135M-Instruct, answer one chat prompt.
-# With an EAGLE draft head for the model (checkpoints/SmolLM2-135M-Instruct/eagle/, copied
-# there by prepare.sh from heads/), generation uses EAGLE-2 speculative decoding.
-# Extra arguments are passed on to generate.py and win over the defaults below, e.g.
+# End-to-end demo: set up .venv, fetch + convert SmolLM2-135M-Instruct, then answer one chat
+# prompt twice with `generate.py --compare`: plainly, then with EAGLE speculative decoding
+# (streamed), and print both speeds, the speedup, tau (tokens per target forward) and whether
+# the two answers are identical.
+#
+# The head: the EAGLE-3 one when prepare.sh copied it into checkpoints/NAME/eagle3/, else the
+# EAGLE-2 one (checkpoints/NAME/eagle/); DEMO_SPECULATE=eagle2 (or eagle, eagle3) picks one.
+# The defaults are what measured fastest on a 2-core CPU (benchmarks/README.md): eager, no
+# torch.compile (compiling costs ~1 min per graph and decoded no faster there), and the tree
+# shape from --tree_tokens auto, which times this machine once and caches the result. On a GPU
+# add --compile. Extra arguments go to generate.py and win over these, e.g.
 #   bash scripts/demo.sh --prompt "Name three primes." --max_new_tokens 64
+#   bash scripts/demo.sh --dtype float32      # outputs identical to plain decoding, token for token
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,22 +19,32 @@ cd "$ROOT"
 
 MODEL=SmolLM2-135M-Instruct
 CKPT_DIR="checkpoints/$MODEL"
-DRAFT_DIR="$CKPT_DIR/eagle"
-PROMPT="What is the capital of France? Answer in one sentence."
-GENERATE=(.venv/bin/python generate.py
-    --checkpoint_path "$CKPT_DIR/model.pth"
-    --chat --compile
-    --prompt "$PROMPT"
-    --max_new_tokens 128)
+PROMPT="Explain how a refrigerator keeps food cold, step by step, for a curious ten-year-old."
 
 bash scripts/setup.sh
 bash scripts/prepare.sh "$MODEL"
 
-# Speculative decoding with the EAGLE head when there is one (checked after prepare.sh, which
-# copies it into place).
-if [ -d "$DRAFT_DIR" ]; then
-    GENERATE+=(--speculate eagle2 --draft_checkpoint_path "$DRAFT_DIR")
+SPECULATE="${DEMO_SPECULATE:-}"
+if [ -z "$SPECULATE" ]; then
+    if [ -d "$CKPT_DIR/eagle3" ]; then SPECULATE=eagle3; elif [ -d "$CKPT_DIR/eagle" ]; then SPECULATE=eagle2; fi
 fi
+case "$SPECULATE" in
+    eagle3) DRAFT_DIR="$CKPT_DIR/eagle3" ;;
+    eagle|eagle2) DRAFT_DIR="$CKPT_DIR/eagle" ;;
+    "") echo "[demo] no EAGLE head in $CKPT_DIR (prepare.sh copies them from heads/)" >&2; exit 1 ;;
+    *) echo "[demo] DEMO_SPECULATE must be eagle, eagle2 or eagle3, not '$SPECULATE'" >&2; exit 1 ;;
+esac
+if [ ! -d "$DRAFT_DIR" ]; then
+    echo "[demo] no $SPECULATE head at $DRAFT_DIR" >&2
+    exit 1
+fi
+
+GENERATE=(.venv/bin/python generate.py
+    --checkpoint_path "$CKPT_DIR/model.pth"
+    --chat --prompt "$PROMPT" --max_new_tokens 200
+    --dtype bfloat16
+    --speculate "$SPECULATE" --draft_checkpoint_path "$DRAFT_DIR"
+    --compare)
 
 echo "[demo] $(printf '%q ' "${GENERATE[@]}" "$@")"
 exec "${GENERATE[@]}" "$@"

@@ -82,6 +82,7 @@ def rounds_from(spec, tokenizer, n, round_fn, before=None):
     return seconds
 
 
+@torch.no_grad()
 def vanilla_step_seconds(model, decode_fn, n=20) -> float:
     model.setup_caches(1, 1024 + 200)
     token = gen.prefill(model, prompt_ids_cache["probe"], 0.0, None, None)

@@ -61,18 +61,23 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
 
 def test_mt_bench_tree_tokens_auto(tiny_checkpoint, tmp_path, monkeypatch):
     """eagle2 with --tree_tokens auto, per temperature: a tree where rounds are cheap, vanilla
-    decoding where they are not (costs made up; the measurement itself is tested below)."""
+    decoding where they are not (costs made up; the measurement itself is tested above)."""
     checkpoint, questions = tiny_checkpoint
-    costs = {0.0: (1.0, {8: (1.2, 3.0), 16: (1.3, 4.0)}), 1.0: (1.0, {8: (5.0, 1.5)})}
-    monkeypatch.setattr(speculative, "measure_tree_costs", lambda *a, temperature, **k: costs[temperature])
+    monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "cache"))
+    cheap = speculative.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS},
+                                   grow={k: (0.05, 0.05) for k in speculative.AUTO_TOP_K}, other=0.1)
+    costs = {0.0: cheap, 1.0: cheap._replace(verify={T: 8.0 for T in speculative.AUTO_TOKENS})}
+    monkeypatch.setattr(speculative, "measure_shapes", lambda *a, temperature, **k: (
+        costs[temperature], {k: chain_probes(k, 8, accepted_len=5) for k in speculative.AUTO_TOP_K}))
     report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--num_questions", "1",
                          "--max_new_tokens", "12", "--device", "cpu", "--methods", "eagle2", "--tree_tokens", "auto",
                          "--no_plot", "--out", str(tmp_path / "auto")])
     overall = {(r["method"], r["temperature"]): r for r in report["records"] if r["category"] == "overall"}
     assert set(overall) == {(m, T) for m in ("vanilla", "eagle2") for T in (0.0, 1.0)}
-    assert overall["eagle2", 0.0]["tree_tokens"] == 16 and overall["eagle2", 0.0]["mean_accepted"] > 2
+    assert overall["eagle2", 0.0]["tree_tokens"] == 6 and overall["eagle2", 0.0]["mean_accepted"] > 2
     assert overall["eagle2", 0.0]["equal_to_vanilla"] == 1.0
     assert overall["eagle2", 1.0]["tree_tokens"] is None and overall["eagle2", 1.0]["mean_accepted"] == 1.0
+    assert "T=0: top_k 4, depth 5, 6 tokens" in report["methods"]["eagle2"]
     assert "T=1: vanilla decoding" in report["methods"]["eagle2"]
 
 
@@ -259,83 +264,151 @@ def test_missing_transformers_is_a_clear_error_before_the_run(tiny_checkpoint, t
 # ---------------------------------------------------------------------------------------------
 # --tree_tokens auto
 # ---------------------------------------------------------------------------------------------
-def test_auto_rule_picks_vanilla_when_verify_is_expensive():
-    # a CPU: the cost of a round grows with the tree; 3-4 tokens per round do not pay for it
-    cpu = {8: (2.5, 2.2), 16: (4.0, 3.0), 32: (8.0, 3.5), 64: (16.0, 4.0)}
-    choice, predicted = speculative.choose_tree_tokens(1.0, cpu)
-    assert choice is None and max(predicted.values()) < 1
-    # a close call is not worth it: 1.05x predicted is within the margin
-    assert speculative.choose_tree_tokens(1.0, {16: (2.0, 2.1)})[0] is None
-    assert speculative.choose_tree_tokens(1.0, {})[0] is None
+def chain_probes(top_k, depth, accepted_len, n=3):
+    """Made-up probe rounds: a pool of candidates where the accepted path is the best-scored
+    candidate of each of its first accepted_len levels, everything else scored far below."""
+    sizes = torch.tensor([top_k] + [top_k ** 2] * (depth - 1))
+    levels = torch.repeat_interleave(torch.arange(1, depth + 1), sizes)
+    scores = -5.0 - 0.01 * torch.arange(len(levels), dtype=torch.float)
+    starts = [0] + sizes.cumsum(0).tolist()
+    accepted = [starts[d] for d in range(accepted_len)]
+    for d, i in enumerate(accepted):
+        scores[i] = -0.1 * (d + 1)
+    return [(scores, levels, accepted)] * n
 
 
-def test_auto_rule_picks_the_fastest_tree_when_verify_is_cheap():
-    # a GPU bound by reading the weights: verifying 64 tokens costs little more than one
-    gpu = {16: (1.10, 3.0), 32: (1.15, 3.6), 64: (1.30, 4.2), 128: (2.00, 4.5)}
-    choice, predicted = speculative.choose_tree_tokens(1.0, gpu)
-    assert choice == 64 and predicted[64] == pytest.approx(4.2 / 1.3)
-    # a slow GPU in between: only a small tree pays off
-    slow = {4: (1.2, 1.9), 16: (3.0, 3.0), 64: (9.0, 4.0)}
-    assert speculative.choose_tree_tokens(1.0, slow)[0] == 4
-    # only the ratio of costs matters, not the unit
-    assert speculative.choose_tree_tokens(1e-3, {T: (s * 1e-3, tau) for T, (s, tau) in gpu.items()})[0] == 64
+def test_predicted_tau_keeps_the_best_candidates_of_the_allowed_depth():
+    probes = chain_probes(top_k=4, depth=6, accepted_len=5)
+    assert speculative.predicted_tau(probes, depth=6, tokens=64) == 6  # the whole path, and the bonus
+    assert speculative.predicted_tau(probes, depth=3, tokens=64) == 4  # the path's first 3 levels
+    assert speculative.predicted_tau(probes, depth=6, tokens=3) == 3   # room for 2 nodes: the 2 best
+    assert speculative.predicted_tau(probes, depth=6, tokens=2) == 2
+
+
+def test_choose_shape_on_a_cpu_a_gpu_and_where_nothing_pays():
+    acceptance = {4: chain_probes(4, 8, accepted_len=5), 8: chain_probes(8, 8, accepted_len=5)}
+    # a CPU: verifying costs more the more tokens; levels are cheap
+    cpu = speculative.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS},
+                                 grow={4: (0.05, 0.05), 8: (0.1, 0.1)}, other=0.1)
+    choice, table = speculative.choose_shape(cpu, acceptance, depths=range(1, 9))
+    assert choice == dict(tree_top_k=4, tree_depth=5, tree_tokens=6)  # tau 6 for 1.45 steps: 4.1x
+    assert table[0][0] == pytest.approx(6 / 1.45) and table[0][3] == choice
+    assert all(a[0] >= b[0] for a, b in zip(table, table[1:]))  # best first
+    # a GPU: verifying 64 tokens costs about what one does; the path gets longer in bigger trees
+    gpu = cpu._replace(verify={T: 1.0 + 0.001 * T for T in speculative.AUTO_TOKENS})
+    deep = {8: chain_probes(8, 8, accepted_len=8)}
+    assert speculative.choose_shape(gpu, deep, depths=range(1, 9))[0] == dict(tree_top_k=8, tree_depth=8, tree_tokens=12)
+    # nothing pays: every tree costs more than the tokens it brings (and a close call goes to vanilla)
+    slow = cpu._replace(verify={T: 3.0 + T for T in speculative.AUTO_TOKENS})
+    assert speculative.choose_shape(slow, acceptance, depths=range(1, 9))[0] is None
+    close = speculative.ShapeCosts(step=1.0, verify={2: 0.97}, grow={4: (0.0, 0.0)}, other=0.0)
+    assert speculative.choose_shape(close, {4: chain_probes(4, 1, accepted_len=0)}, depths=[1])[0] is None
+    # only ratios of costs matter, not the unit
+    ms = cpu._replace(step=1e-3, verify={T: s * 1e-3 for T, s in cpu.verify.items()},
+                      grow={k: (a * 1e-3, b * 1e-3) for k, (a, b) in cpu.grow.items()}, other=1e-4)
+    assert speculative.choose_shape(ms, acceptance, depths=range(1, 9))[0] == choice
 
 
 @torch.no_grad()
-def test_measure_tree_costs_reads_acceptance_and_stops_at_hopeless_sizes(monkeypatch):
+def test_a_smaller_tree_accepts_what_the_probe_predicts():
+    """The claim auto's predictions rest on (greedy): from one state, a tree of depth d and T tokens
+    accepts exactly the prefix of the deep, large probe tree's accepted path that it keeps."""
+    import copy
+
+    target, draft = mirrored_pair(seed=2)
+    prompt = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(3))
+    for depth, tokens in [(2, 4), (3, 6), (4, 8), (3, 12)]:
+        big = speculative.Speculator(copy.deepcopy(target), copy.deepcopy(draft), tree_top_k=4, tree_depth=4,
+                                     tree_tokens=40)
+        small = speculative.Speculator(copy.deepcopy(target), copy.deepcopy(draft), tree_top_k=4, tree_depth=depth,
+                                       tree_tokens=tokens)
+        for spec in (big, small):
+            spec.prefill(prompt, 40)
+        for _ in range(3):  # the same states as long as both accept the same; compare the first round
+            tree, pool = big.grow(big.catch_up(), with_pool=True)
+            logits, _ = big.verify(tree)
+            node, n_accepted, _ = speculative.accept(tree, logits, 0.0)
+            accepted = pool.keep[0, tree.paths[0, node[0], 1:n_accepted[0] + 1] - 1].tolist()
+            predicted = speculative.predicted_tau([(pool.scores[0], pool.depth, accepted)], depth, tokens)
+            tree_s = small.grow(small.catch_up())
+            logits_s, _ = small.verify(tree_s)
+            assert 1 + int(speculative.accept(tree_s, logits_s, 0.0)[1][0]) == predicted
+            break
+
+
+@torch.no_grad()
+def test_measure_shapes_probes_every_top_k_and_times_each_part():
     target, draft = mirrored_pair()
-    prompt = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0))
-    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(64, 8, 1000), tree_top_k=4, tree_depth=4)
-    assert step_s > 0 and list(rounds) in ([8], [8, 64])  # smallest first; 1000 > 1 + 4 + 3 * 16 is skipped
-    for seconds, tau in rounds.values():
-        assert seconds > 0 and 1 <= tau <= 5
-    assert rounds[8][1] > 2  # the mirrored draft's guesses are accepted
-    # a round that costs more than tree_depth + 1 steps can never win: larger sizes are not measured
-    clock = iter(range(0, 10 ** 6, 1))
-    monkeypatch.setattr(speculative.time, "perf_counter", lambda: next(clock))  # every timed call takes 1 tick
-    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
-    assert list(rounds) == [4, 8, 16]  # 3 * 1 tick / 1 tick: each size might still win
-    monkeypatch.setattr(speculative, "AUTO_MIN_SPEEDUP", 3.5)
-    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(4, 8, 16), tree_top_k=4, tree_depth=2)
-    assert list(rounds) == [4]
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9)]
+    costs, acceptance = speculative.measure_shapes(target, draft, prompts, top_ks=(2, 4), max_depth=3,
+                                                   tokens=(2, 4, 8, 16, 64), rounds=4)
+    assert set(acceptance) == {2, 4} and all(len(p) == 4 for p in acceptance.values())
+    assert set(costs.verify) == {2, 4, 8, 16} and set(costs.grow) == {2, 4}  # 64 > the largest tree (1 + 4 + 2 * 16)
+    assert costs.step > 0 and costs.other > 0 and all(v > 0 for v in costs.verify.values())
+    scores, levels, accepted = acceptance[4][0]
+    assert levels.tolist() == [1] * 4 + [2] * 16 + [3] * 16 and len(scores) == 36
+    assert speculative.predicted_tau(acceptance[4], 3, 16) > 2  # the mirrored draft's guesses are accepted
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @torch.no_grad()
-def test_measure_tree_costs_on_cuda_graph_replays():
-    """A compiled run on CUDA is measured on CUDA-graph replays of the eager step and rounds: the
-    replays must run real rounds, which emit the mirrored draft's accepted guesses."""
+def test_measure_shapes_on_cuda_graph_replays():
+    """A compiled run on CUDA is measured on CUDA-graph replays of the eager step, tree growth and
+    verify; the probe rounds are real rounds, which accept the mirrored draft's guesses."""
     target, draft = (m.cuda() for m in mirrored_pair())
-    prompt = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0)).cuda()
-    step_s, rounds = speculative.measure_tree_costs(target, draft, prompt, sizes=(8, 16), tree_top_k=4, tree_depth=4,
-                                                    cuda_graphs=True)
-    assert step_s > 0 and list(rounds) == [8, 16]
-    for seconds, tau in rounds.values():
-        assert seconds > 0 and 2 < tau <= 5
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9)]
+    costs, acceptance = speculative.measure_shapes(target, draft, prompts, top_ks=(4,), max_depth=3, tokens=(4, 8),
+                                                   rounds=3, cuda_graphs=True)
+    assert costs.step > 0 and set(costs.verify) == {4, 8} and costs.grow[4][0] > 0
+    assert speculative.predicted_tau(acceptance[4], 3, 8) > 2
+
+
+def test_auto_shape_measures_once_and_reads_its_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "cache"))
+    calls = []
+    costs = speculative.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS},
+                                   grow={4: (0.05, 0.05)}, other=0.1)
+    monkeypatch.setattr(speculative, "measure_shapes",
+                        lambda *a, **k: calls.append(k) or (costs, {4: chain_probes(4, 8, accepted_len=5)}))
+    key = dict(machine="test", model="m")
+    first = speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
+    again = speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
+    assert first == again == dict(tree_top_k=4, tree_depth=5, tree_tokens=6) and len(calls) == 1
+    speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=1.0)
+    assert len(calls) == 2  # another temperature is another measurement
+    with pytest.raises(ValueError, match="measures on prompts"):
+        speculative.auto_shape(None, None, [], top_ks=(4,))
 
 
 def _args(**kw):
     defaults = dict(speculate="eagle2", temperature=0.0, top_k=None, top_p=None, compile=False, compile_prefill=False,
-                    device="cpu", tree=None, tree_top_k=4, tree_depth=3, tree_tokens="auto")
+                    device="cpu", tree=None, tree_top_k=4, tree_depth=None, tree_tokens="auto")
     return argparse.Namespace(**{**defaults, **kw})
 
 
 @torch.no_grad()
 def test_make_decoder_auto_falls_back_to_vanilla_or_builds_the_chosen_tree(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "cache"))
     target, draft = mirrored_pair()
     save_draft(draft, tmp_path / "eagle")
+    torch.save(target.state_dict(), tmp_path / "model.pth")
     prompt = [5, 7, 11, 13]
     expected = gen.generate(target, torch.tensor([prompt]), 20)[0]
-    monkeypatch.setattr(speculative, "measure_tree_costs", lambda *a, **k: (1.0, {8: (5.0, 2.0), 16: (9.0, 3.0)}))
-    args = _args(draft_checkpoint_path=tmp_path / "eagle")
-    decode = gen.make_decoder(args, target, (), 64, prompt)
+    acceptance = {4: chain_probes(4, 8, accepted_len=3)}
+    slow = speculative.ShapeCosts(step=1.0, verify={T: 3.0 + T for T in speculative.AUTO_TOKENS}, grow={4: (0.1, 0.1)},
+                                  other=0.1)
+    monkeypatch.setattr(speculative, "measure_shapes", lambda *a, **k: (slow, acceptance))
+    args = _args(draft_checkpoint_path=tmp_path / "eagle", checkpoint_path=tmp_path / "model.pth")
+    decode = gen.make_decoder(args, target, (), 64, [prompt])
     assert args.speculate == "none" and args.tree_tokens is None
     ids, per_round = decode(prompt, 20)
     assert ids == expected and per_round is None  # vanilla decoding
-    monkeypatch.setattr(speculative, "measure_tree_costs", lambda *a, **k: (1.0, {8: (1.2, 3.0), 16: (1.3, 4.0)}))
-    args = _args(draft_checkpoint_path=tmp_path / "eagle")
-    decode = gen.make_decoder(args, target, (), 64, prompt)
-    assert args.speculate == "eagle2" and args.tree_tokens == 16
+    fast = slow._replace(verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS}, grow={4: (0.05, 0.05)})
+    monkeypatch.setattr(speculative, "measure_shapes", lambda *a, **k: (fast, acceptance))
+    monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "another"))
+    args = _args(draft_checkpoint_path=tmp_path / "eagle", checkpoint_path=tmp_path / "model.pth")
+    decode = gen.make_decoder(args, target, (), 64, [prompt])
+    assert args.speculate == "eagle2" and (args.tree_top_k, args.tree_depth, args.tree_tokens) == (4, 3, 4)
     ids, per_round = decode(prompt, 20)
     assert ids == expected and per_round is not None
 

@@ -197,3 +197,14 @@ def test_copy_slots_moves_entries_of_every_layer_at_once():
     model.setup_caches(2, 32)
     model.kv_storage.zero_()
     assert all(not layer.attention.kv_cache.k_cache.any() for layer in model.layers)
+
+
+def test_forward_with_grad_mode_on_after_setup_without():
+    """Caches made under no_grad (as generation does) still take writes from a forward with grad
+    mode on, and those writes land in the model's one KV storage."""
+    model = make_model("tiny-llama")  # setup_caches ran outside no_grad; redo it inside
+    model.max_seq_length = -1
+    with torch.no_grad():
+        model.setup_caches(1, 16)
+    logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3))
+    assert logits.shape == (1, 3, 512) and model.kv_storage[:, :, 0, :, :3].abs().sum() > 0

@@ -111,8 +111,10 @@ def distributed_only(folder: Path, shard) -> dict:
     out["compiled eagle2"] = speculate(folder, "mirrored", "eagle", shard, compiled=True)
     target = load(folder, "mirrored/model.pth", shard)  # --tree_tokens auto: its timings are rank 0's everywhere
     draft = checkpoint.load_draft(folder / "mirrored" / "eagle", target.config)
-    out["tree costs"] = speculative.measure_tree_costs(target, draft, PROMPT, sizes=(4, 8), tree_top_k=2,
-                                                       tree_depth=2, n_rounds=1)
+    costs, acceptance = speculative.measure_shapes(target, draft, [PROMPT[0].tolist()], top_ks=(2,), max_depth=2,
+                                                   tokens=(2, 4), rounds=2)
+    out["tree costs"] = costs
+    out["tree probes"] = [(scores.tolist(), depth.tolist(), accepted) for scores, depth, accepted in acceptance[2]]
     out["from rank 0"] = tp.from_rank0(f"rank {shard.rank}")
     try:
         tp.check_same_command({"checkpoint": "model.pth", "seed": 1234 + shard.rank})
