@@ -6,12 +6,12 @@
 #
 # The head: the EAGLE-3 one when prepare.sh copied it into checkpoints/NAME/eagle3/, else the
 # EAGLE-2 one (checkpoints/NAME/eagle/); DEMO_SPECULATE=eagle2 (or eagle, eagle3) picks one.
-# The defaults are what measured fastest on a 2-core CPU (benchmarks/README.md): eager, no
-# torch.compile (compiling costs ~1 min per graph and decoded no faster there), and the tree
-# shape from --tree_tokens auto, which times this machine once and caches the result. On a GPU
-# add --compile. Extra arguments go to generate.py and win over these, e.g.
+# The defaults are what measured fastest on a 2-core CPU (benchmarks/README.md): float32 (the
+# answers are then identical to plain decoding, token for token), eager, no torch.compile
+# (compiling costs ~1 min per graph and decoded no faster there), and the tree shape from
+# --tree_tokens auto, which times this machine once and caches the result. On a GPU add --compile. Extra arguments go to generate.py and win over these, e.g.
 #   bash scripts/demo.sh --prompt "Name three primes." --max_new_tokens 64
-#   bash scripts/demo.sh --dtype float32      # outputs identical to plain decoding, token for token
+#   bash scripts/demo.sh --dtype bfloat16     # half precision (near-ties may flip a token or two)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,7 +42,6 @@ fi
 GENERATE=(.venv/bin/python generate.py
     --checkpoint_path "$CKPT_DIR/model.pth"
     --chat --prompt "$PROMPT" --max_new_tokens 200
-    --dtype bfloat16
     --speculate "$SPECULATE" --draft_checkpoint_path "$DRAFT_DIR"
     --compare)
 
