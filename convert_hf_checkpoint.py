@@ -468,29 +468,40 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
     state = {"fc.weight": weights.pop("fc.weight")}
     if fc_bias:
         state["fc.bias"] = weights.pop("fc.bias")
-    qkv = [f"layers.0.self_attn.{p}_proj" for p in "qkv"]
-    try:
-        state["layer.attention.wqkv.weight"] = torch.cat([weights.pop(n + ".weight") for n in qkv])
-        if args.qkv_bias:
-            state["layer.attention.wqkv.bias"] = torch.cat([weights.pop(n + ".bias") for n in qkv])
-        state.update({ours: weights.pop(theirs) for theirs, ours in EAGLE_TO_DRAFT.items()})
-    except KeyError as e:
-        raise ValueError(f"the EAGLE head in {folder} lacks the tensor {e.args[0]}") from None
-    if weights:
-        raise ValueError(f"the EAGLE head in {folder} has tensors an EAGLE-1/2 draft has no place for: "
-                         f"{', '.join(sorted(weights)[:5])}")
+    state.update(_take_head_tensors(weights, "layers.0.self_attn", EAGLE_TO_DRAFT, args.qkv_bias, folder, "EAGLE-1/2"))
     with torch.device("meta"):
         draft = EagleDraft(args, fc_bias=fc_bias)
-    try:
-        draft.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"the EAGLE head in {folder} does not match its config.json: {e}") from None
+    _assign(draft, state, folder, "EAGLE-1/2")
     return save_draft(draft, folder, _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype")))
 
 
-# ---------------------------------------------------------------------------------------------
-# Shared
-# ---------------------------------------------------------------------------------------------
+def _take_head_tensors(weights: dict, attention: str, renames: dict, qkv_bias: bool, folder, kind: str) -> dict:
+    """Pops a reference head's layer tensors into our names: q/k/v concatenated into wqkv, the
+    others renamed. A missing tensor and a tensor left over are both errors: a head converted
+    partially would still decode losslessly, only slowly, and nobody would notice why."""
+    qkv = [f"{attention}.{p}_proj" for p in "qkv"]
+    state = {}
+    try:
+        state["layer.attention.wqkv.weight"] = torch.cat([weights.pop(n + ".weight") for n in qkv])
+        if qkv_bias:
+            state["layer.attention.wqkv.bias"] = torch.cat([weights.pop(n + ".bias") for n in qkv])
+        state.update({ours: weights.pop(theirs) for theirs, ours in renames.items()})
+    except KeyError as e:
+        raise ValueError(f"the {kind} head in {folder} lacks the tensor {e.args[0]}") from None
+    if weights:
+        raise ValueError(f"the {kind} head in {folder} has tensors an {kind} draft has no place for: "
+                         f"{', '.join(sorted(weights)[:5])}")
+    return state
+
+
+def _assign(draft, state: dict, folder, kind: str):
+    """Loads `state` into a draft built on the meta device (shapes come from config.json)."""
+    try:
+        draft.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"the {kind} head in {folder} does not match its config.json: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Published EAGLE-3 heads
 # ---------------------------------------------------------------------------------------------
@@ -552,23 +563,12 @@ def eagle3_draft_from_reference(config: dict, weights: dict, folder):
                          f"a bias, found {None if fc is None else tuple(fc.shape)}")
     state = {"fc.weight": fc, "vocab": eagle3_vocab(weights.pop("d2t", None), weights.pop("t2d", None),
                                                      draft_vocab, args.vocab_size)}
-    qkv = [f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"]
-    try:
-        state["layer.attention.wqkv.weight"] = torch.cat([weights.pop(n) for n in qkv])
-        state.update({ours: weights.pop(theirs) for theirs, ours in EAGLE3_TO_DRAFT.items()})
-    except KeyError as e:
-        raise ValueError(f"the EAGLE-3 head in {folder} lacks the tensor {e.args[0]}") from None
-    if weights:
-        raise ValueError(f"the EAGLE-3 head in {folder} has tensors an EAGLE-3 draft has no place for: "
-                         f"{', '.join(sorted(weights)[:5])}")
+    state.update(_take_head_tensors(weights, "midlayer.self_attn", EAGLE3_TO_DRAFT, False, folder, "EAGLE-3"))
     # The fused layers (2, L//2, L-3) depend on the target, which the head's config does not name:
     # checkpoint.load_draft derives them from the target it is loaded for.
     with torch.device("meta"):
         draft = Eagle3Draft(args, draft_vocab, layer_ids=None)
-    try:
-        draft.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"the EAGLE-3 head in {folder} does not match its config.json: {e}") from None
+    _assign(draft, state, folder, "EAGLE-3")
     return draft
 
 
@@ -619,7 +619,7 @@ def main(argv=None):
                         help="Hugging Face folder to convert in place, or where a GGUF file's conversion goes")
     parser.add_argument("--gguf", type=Path, default=None, help="convert this GGUF file")
     parser.add_argument("--eagle_dir", type=Path, default=None,
-                        help="convert the EAGLE-1/2 head in this folder (reference layout) in place, for --draft_checkpoint_path")
+                        help="convert the EAGLE-1/2 or EAGLE-3 head in this folder (reference layout) in place, for --draft_checkpoint_path")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="auto: the config's dtype for Hugging Face folders, float32 for GGUF")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files (model.pth, model_config.json, tokenizer.json)")
