@@ -163,7 +163,10 @@ class Eagle3Draft(nn.Module):
         target's fused layer inputs at t (fc is applied), or [B, n, dim] = the draft's own output
         at t's parent, inside a tree (used as it is). Returns the layer's output o [B, n, dim]."""
         input_pos, cache_pos, mask, kv_len = _positions(self, embeds, input_pos, cache_pos, mask)
-        features = features.to(embeds.dtype)
+        # The draft may run in a lower precision than the target (--draft_dtype): its guesses only
+        # decide how many tokens a round accepts, never which tokens come out (the target verifies).
+        dtype = self.norm.weight.dtype
+        embeds, features = embeds.to(dtype), features.to(dtype)
         if features.size(-1) != self.config.dim:  # the shape says which: no data-dependent branch
             features = self.fc(features)
         return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask, kv_len)

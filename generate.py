@@ -171,6 +171,9 @@ def parse_args(argv=None):
                         "head (fused layers, its own reduced-vocabulary LM head), dynamic tree")
     g.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="EAGLE draft folder (default: eagle/ beside the checkpoint; eagle3/ for --speculate eagle3)")
+    g.add_argument("--draft_dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="eagle3: the draft's dtype (default: the target's). The output does not depend on it (the "
+                        "target verifies every token); bfloat16 makes each draft level cheaper on a CPU")
     g.add_argument("--tree_top_k", type=int, default=None,
                    help="eagle2/eagle3: children per expanded node (default 10; with auto, chosen unless given)")
     g.add_argument("--tree_depth", type=int, default=None,
@@ -222,6 +225,9 @@ def parse_args(argv=None):
         errors.append("--tree sets the static tree of --speculate eagle")
     if args.tree_tokens == "auto" and args.speculate == "eagle":
         errors.append("--tree_tokens auto sizes the dynamic trees of eagle2 and eagle3; eagle's static tree has a fixed size")
+    if args.draft_dtype is not None and args.speculate != "eagle3":
+        errors.append("--draft_dtype sets the dtype of an EAGLE-3 head (--speculate eagle3); EAGLE-1/2 heads draw "
+                      "on the target's LM head, in the target's dtype")
     if args.tree is not None and not args.tree.is_file():
         errors.append(f"--tree file not found: {args.tree}")
     if args.speculate != "none":
@@ -297,7 +303,8 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
 
     from tree import mc_sim_7b_63, static_tree
 
-    draft = load_draft(args.draft_checkpoint_path, model.config, args.device, model.norm.weight.dtype)
+    draft_dtype = getattr(torch, args.draft_dtype) if getattr(args, "draft_dtype", None) else model.norm.weight.dtype
+    draft = load_draft(args.draft_checkpoint_path, model.config, args.device, draft_dtype)
     check_head(args.speculate, draft, args.draft_checkpoint_path)
     if not args.compile:
         pack_linears(draft)
@@ -308,6 +315,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
             depths=range(1, 9) if args.tree_depth is None else (args.tree_depth,),
             cache_key=dict(machine_key(args.device), model=file_key(args.checkpoint_path),
                            draft=file_key(args.draft_checkpoint_path), dtype=str(model.norm.weight.dtype),
+                           draft_dtype=str(draft_dtype),
                            compiled=args.compile, packed=not args.compile), **sampling)
         args.tree_top_k, args.tree_depth, args.tree_tokens = (None, None, None) if shape is None else (
             shape["tree_top_k"], shape["tree_depth"], shape["tree_tokens"])

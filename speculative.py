@@ -436,13 +436,12 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
     return costs, acceptance
 
 
-def auto_shape(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
-               cuda_graphs: bool = False, cache_key: Optional[dict] = None, **sampling) -> Optional[dict]:
-    """--tree_tokens auto: measure (or read the cache), choose, and say what was chosen and why.
-    Returns dict(tree_top_k, tree_depth, tree_tokens), or None for vanilla decoding. cache_key:
-    what identifies the measurement (machine, model, head, dtype, mode, sampling); with it, the
-    costs and probes are kept in auto_cache_dir() and a second run reads them instead of
-    measuring again."""
+def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
+                cuda_graphs: bool = False, cache_key: Optional[dict] = None, **sampling):
+    """measure_shapes (or its cached result) and choose_shape: (choice, table, costs, how it got
+    the costs). cache_key: what identifies the measurement (machine, model, head, dtype, mode,
+    sampling); with it, the costs and probes are kept in auto_cache_dir() and a second run reads
+    them instead of measuring again."""
     if not prompts or not all(prompts):
         raise ValueError("--tree_tokens auto measures on prompts; none was given")
     cache = None if cache_key is None else auto_cache_dir() / (_digest(dict(
@@ -459,7 +458,14 @@ def auto_shape(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, d
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"costs": costs._asdict(), "acceptance": acceptance}, cache)
-    choice, table = choose_shape(costs, acceptance, depths)
+    return (*choose_shape(costs, acceptance, depths), costs, how)
+
+
+def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[dict]:
+    """--tree_tokens auto: measure (or read the cache), choose, and say what was chosen and why.
+    Returns dict(tree_top_k, tree_depth, tree_tokens), or None for vanilla decoding. Arguments as
+    shape_table's."""
+    choice, table, costs, how = shape_table(model, draft, prompts, **kwargs)
     print(f"--tree_tokens auto: {how}; a vanilla step takes {costs.step * 1e3:.1f} ms. Best shapes "
           f"(top_k, depth, tokens: predicted tokens per round, round cost in steps, speedup):", file=sys.stderr)
     for speedup, tau, cost, shape in table[:5]:

@@ -89,6 +89,8 @@ def parse_args(argv=None):
                    help="EAGLE-1/2 head for chain, eagle, eagle2 (default: the eagle/ folder beside the checkpoint)")
     p.add_argument("--draft3_checkpoint_path", type=Path, default=None,
                    help="EAGLE-3 head for eagle3 (default: the eagle3/ folder beside the checkpoint)")
+    p.add_argument("--draft3_dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="eagle3: the EAGLE-3 head's dtype (default: --dtype); outputs do not depend on it")
     p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
     p.add_argument("--num_questions", type=int, default=None,
                    help="ask only this many questions, taken in turn from each category (default: all)")
@@ -256,6 +258,7 @@ def allow_many_graphs():
 
 def header(args, argv) -> dict:
     return {"hardware": hardware_name(args.device), "device": args.device, "dtype": args.dtype,
+            "draft3_dtype": getattr(args, "draft3_dtype", None) or args.dtype,
             "compiled": args.compile, "attention": args.attention, "torch": torch.__version__,
             "tensor_parallel": args.shard.world_size if args.shard else 1,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -323,6 +326,7 @@ def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) 
                 cuda_graphs=args.compile and args.device.startswith("cuda"),
                 cache_key=dict(speculative.machine_key(args.device), model=speculative.file_key(args.checkpoint_path),
                                draft=speculative.file_key(head), dtype=args.dtype, compiled=args.compile,
+                               draft_dtype=(args.draft3_dtype or args.dtype) if method == "eagle3" else args.dtype,
                                packed=not args.compile))
     return shapes
 
@@ -450,7 +454,8 @@ def run_mt_bench(args, argv=None) -> dict:
     model = load_model(args.checkpoint_path, device, dtype, args.shard)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
-    drafts = {head: load_draft(paths[head], model.config, device, dtype)
+    draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
+    drafts = {head: load_draft(paths[head], model.config, device, draft_dtypes[head])
               for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:])}
     for method in args.methods[1:]:
         gen.check_head("eagle3" if method == "eagle3" else "eagle2", drafts[HEAD_OF[method]], paths[HEAD_OF[method]])

@@ -112,6 +112,7 @@ def run_cli(*args):
     (["--top_k", "0"], "--top_k must be >= 1"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     (["--checkpoint_path", "no/such/model.pth"], "checkpoint not found"),
+    (["--speculate", "eagle2", "--draft_dtype", "bfloat16"], "--draft_dtype sets the dtype of an EAGLE-3 head"),
 ])
 def test_bad_flags_are_clear_errors(args, message):
     result = run_cli(*args)

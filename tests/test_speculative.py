@@ -81,6 +81,19 @@ def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
     assert len({len(r) for r in per_round}) > 1  # the rows needed different numbers of rounds
 
 
+@torch.no_grad()
+def test_a_bfloat16_eagle3_draft_leaves_float32_output_unchanged():
+    """--draft_dtype bfloat16 under a float32 target: the draft's guesses change, the output does not."""
+    target, draft = eagle3_pair()
+    spec = speculative.Speculator(target, draft.to(torch.bfloat16), **METHODS["eagle3"])
+    taus = []
+    for prompt in prompts(10, 512, seed=3, lengths=(3, 40)):
+        ids, per_round = speculative.speculative_generate(spec, prompt, 40)
+        assert ids == vanilla(target, prompt, 40)
+        taus.append(sum(per_round[0]) / len(per_round[0]))
+    assert draft.lm_head.weight.dtype == torch.bfloat16 and sum(taus) / len(taus) > 2  # it still drafts well
+
+
 @pytest.mark.parametrize("method", METHODS)
 @torch.no_grad()
 def test_stop_token_inside_an_accepted_run(method):
@@ -158,14 +171,13 @@ def test_greedy_equals_vanilla_on_cuda(method):
 # ---------------------------------------------------------------------------------------------
 # The real model
 # ---------------------------------------------------------------------------------------------
+# Eight varied chat prompts (facts, lists, arithmetic, translation, free text), 24 new tokens each:
+# short answers stop at EOS, long ones at the limit. Eight keep CI's time in check; the
+# compiled-round and benchmark tests decode further prompts.
 CHAT_PROMPTS = [
-    "What is the capital of France?", "Write a haiku about autumn.", "Explain photosynthesis briefly.",
-    "List three prime numbers.", "How do I boil an egg?", "Translate 'good morning' into Spanish.",
-    "What is 12 times 7?", "Give me a tip for learning to code.", "Who wrote Romeo and Juliet?",
-    "Describe a cat in one sentence.", "Why is the sky blue?", "Name a famous painting.",
-    "What does a CPU do?", "Suggest a name for a goldfish.", "What is the boiling point of water?",
-    "Tell me a fun fact about octopuses.", "How many days are in a leap year?",
-    "What is the opposite of 'ancient'?", "Recommend a book for a long flight.", "Define gravity.",
+    "What is the capital of France?", "Write a haiku about autumn.", "List three prime numbers.",
+    "Translate 'good morning' into Spanish.", "What is 12 times 7?", "Why is the sky blue?",
+    "Suggest a name for a goldfish.", "Recommend a book for a long flight.",
 ]
 
 
