@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
+from model import pack_linears  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -42,6 +43,8 @@ def parse_args(argv=None):
                    help="default: eagle/ (eagle, eagle2) or eagle3/ (eagle3) beside the checkpoint")
     p.add_argument("--speculate", choices=["eagle2", "eagle3"], default="eagle3")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default=None,
+                   help="eagle3: the head's dtype (default: --dtype), as generate.py --draft_dtype")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--freezing", action="store_true", help="with --compile: inductor's freezing (weights as constants)")
     p.add_argument("--tree_top_k", type=int, default=10)
@@ -50,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=24)
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = p.parse_args(argv)
+    if args.draft_dtype is not None and args.speculate != "eagle3":
+        p.error("--draft_dtype sets the dtype of an EAGLE-3 head; EAGLE-1/2 heads use the target's LM head")
     args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / gen.SPECULATE[
         args.speculate]["folder"]
     args.tree_depth = args.tree_depth or gen.SPECULATE[args.speculate]["depth"]
@@ -149,6 +154,8 @@ def profile_eager(args, model, draft, tokenizer) -> dict:
     forwards = sum(ms(f"draft forward {d}") for d in range(1, args.tree_depth))
     rows.append(dict(part="tree growth, the rest (top-k, scores, masks, rerank, tree tensors)",
                      ms=ms("grow") - forwards - heads, self_ms=None))
+    rows.append(dict(part="tree growth, total (the rows above from level 1)", ms=ms("grow"),
+                     self_ms=ms("grow", "self_cpu_time_total")))
     rows.append(dict(part=f"verify: target forward over {args.tree_tokens} tree tokens", ms=ms("verify"),
                      self_ms=ms("verify", "self_cpu_time_total")))
     for part, key in (("accept", "accept"), ("compaction (K/V of accepted nodes)", "compact"),
@@ -188,12 +195,16 @@ def main(argv=None):
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint_path, "cpu", dtype)
-    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", dtype)
+    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
+    if not args.compile:  # as generate.make_decoder runs eager mode: half-precision weights prepacked for oneDNN
+        pack_linears(model)
+        pack_linears(draft)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     prompt_ids_cache["probe"] = prompt_ids(tokenizer, 0)
     report = dict(command="python scripts/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
+                  draft_dtype=args.draft_dtype or args.dtype,
                   speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
                                                       tokens=args.tree_tokens))
     report["vanilla_step_ms_eager"] = vanilla_step_seconds(model, gen.decode_one_token) * 1e3
@@ -211,7 +222,8 @@ def main(argv=None):
 def markdown(report) -> str:
     step = report["vanilla_step_ms_eager"]
     e = report["eager"]
-    lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} ({report['threads']} threads, "
+    lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} (draft "
+             f"{report.get('draft_dtype', report['dtype'])}, {report['threads']} threads, "
              f"torch {report['torch']})", "", f"- command: `{report['command']}`",
              f"- tree: top_k {report['tree']['top_k']}, depth {report['tree']['depth']}, "
              f"{report['tree']['tokens']} tokens", "",
