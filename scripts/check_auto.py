@@ -53,6 +53,8 @@ def main(argv=None):
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="default: the method's head next to the checkpoint (as generate.py)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default=None,
+                   help="eagle3: the head's dtype (default: --dtype), as generate.py --draft_dtype")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--question_file", type=Path, default=next((f for f in QUESTION_FILES if f.is_file()), None))
@@ -64,13 +66,15 @@ def main(argv=None):
         p.error("no MT-bench question file: pass --question_file")
     if args.draft_checkpoint_path is None:
         args.draft_checkpoint_path = args.checkpoint_path.parent / gen.SPECULATE[args.speculate]["folder"]
+    if args.draft_dtype is not None and args.speculate != "eagle3":
+        p.error("--draft_dtype sets the dtype of an EAGLE-3 head")
     if args.max_new_tokens < 1 or args.passes < 1:
         p.error("--max_new_tokens and --passes must be >= 1")
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint_path, "cpu", dtype)
-    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", dtype)
+    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
     pack_linears(model)
     pack_linears(draft)
@@ -138,13 +142,15 @@ def main(argv=None):
     report = dict(
         command="python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
-        cpu_count=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype, speculate=args.speculate,
+        cpu_count=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype,
+        draft_dtype=args.draft_dtype or args.dtype, speculate=args.speculate,
         head=str(args.draft_checkpoint_path), max_new_tokens=args.max_new_tokens, passes=args.passes,
         prompts=[c for c, _ in prompts], auto=how, auto_step_ms=costs.step * 1e3,
         choice=choice, vanilla_tok_s=vanilla_rate, rows=rows,
         chosen_over_best=chosen_speedup / max(best_row["speedup"], 1.0),
         all_equal=all(r["equal"] for r in rows))
-    md = [f"# Held-out check of --tree_tokens auto ({args.speculate}, {args.dtype}, eager, CPU)", "",
+    md = [f"# Held-out check of --tree_tokens auto ({args.speculate}, {args.dtype}, draft "
+          f"{args.draft_dtype or args.dtype}, eager, CPU)", "",
           f"`{report['command']}`", "",
           f"{report['date']}, {report['machine']}, {report['cpu_count']} threads, torch {report['torch']}. "
           f"auto {how}; held-out prompts: the first turns of {len(prompts)} MT-bench questions outside the "

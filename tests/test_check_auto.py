@@ -12,12 +12,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import check_auto  # noqa: E402
 
 
-def test_check_auto_end_to_end(tiny_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["--speculate", "eagle3", "--draft_dtype", "bfloat16"]], ids=["eagle2", "eagle3"])
+def test_check_auto_end_to_end(tiny_checkpoint, tmp_path, monkeypatch, extra):
     checkpoint, questions = tiny_checkpoint
     monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "check"
     check_auto.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions),
-                     "--benchmark_questions", "1", "--max_new_tokens", "8", "--passes", "1", "--out", str(out)])
+                     "--benchmark_questions", "1", "--max_new_tokens", "8", "--passes", "1", "--out", str(out), *extra])
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["prompts"] == ["coding", "writing"]  # the two questions outside a 1-question subset
     shapes = {(r["top_k"], r["depth"], r["tokens"]) for r in report["rows"]}
