@@ -3,56 +3,82 @@
     python scripts/train_eagle.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
         --preset smollm2-cpu --out_dir heads/SmolLM2-135M-Instruct
 
-Three stages, each cached under --work_dir and resumed when rerun:
-  1. prompts    Magpie: the target, given only its chat template up to an empty user turn, writes
-                user messages. Sampled with temperature, deduplicated, filtered; a slice is held
-                out for validation. No outside or evaluation data is used.
-  2. answers    The target answers every prompt (greedy, and a share sampled). Its final post-norm
-                hidden states (the features the draft learns to predict) are recorded for every
-                token of prompt + answer and stored as float16 shards.
+    python scripts/train_eagle.py --arch eagle3 --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
+        --preset smollm2-cpu --out_dir heads/SmolLM2-135M-Instruct-eagle3 \
+        --data_dir data/SmolLM2-135M-Instruct --resume --force
+
+Three stages, each cached and resumed when rerun:
+  1. data       EAGLE-1/2: Magpie prompts (the target, given only its chat template up to an empty
+                user turn, writes user messages), then the target's answers.
+                EAGLE-3: conversations of one or two turns, Magpie prompts seeded with the opening
+                words of a kind of request (writing, roleplay, reasoning, math, coding, extraction,
+                STEM, humanities, everyday questions; some unseeded), a follow-up that asks to
+                rewrite, continue or critique the first answer, answers mostly greedy and a share
+                sampled. Stored as token ids (and which tokens are the assistant's), compressed, in
+                shards under --data_dir: small enough for git, so that a later session, even on a
+                fresh machine, continues from them. No outside or evaluation data is used.
+  2. features   One teacher-forced forward of the target over each conversation (prefill-shaped, big
+                matmuls) gives what the draft learns from: the final post-norm hidden state
+                (EAGLE-1/2), or the residual streams entering three layers and the target's most
+                probable next tokens (EAGLE-3). Cached under --work_dir (git-ignored), recomputed
+                from the token ids when missing.
   3. train      EAGLE-1/2 objective: SmoothL1 between the draft's predicted next feature and the
                 true one, plus 0.1 x cross-entropy between the target's next-token distribution and
-                the draft's (both through the frozen LM head); uniform noise on input features;
-                AdamW, warm-up and cosine decay, gradient clipping, bf16 autocast. With --unroll K
-                the draft is also trained on its own predictions K-1 steps deep (EAGLE-3's
-                "training-time test"), as it runs inside a tree.
-The head is written with checkpoint.save_draft: its own weights only, not the target's embedding or
-LM head.
+                the draft's (both through the frozen LM head); uniform noise on input features.
+                EAGLE-3: soft cross-entropy against the target's distribution over the draft
+                vocabulary at each of --unroll steps of the "training-time test" (the draft fed its
+                own outputs, as inside a tree), weighted 0.8^k; the draft's LM head and final norm
+                start from the target's rows for the draft vocabulary and the target's final norm.
+                AdamW, warm-up and cosine decay, gradient clipping, bf16 autocast.
+                The state (head, optimizer, schedule, random state, position in the epoch) is saved
+                every --save_every steps and after every epoch: --resume continues bit for bit.
+                Validation after every epoch (and every --eval_every steps): soft CE and top-1
+                accuracy per unrolled step (tokens outside the draft vocabulary count as misses),
+                and tau of real greedy tree decoding on held-out prompts. An EAGLE-3 head is written
+                to --out_dir whenever its tau beats the best so far and the head already there.
+The head is written with checkpoint.save_draft (bf16): its own weights only, not the target's
+embedding or LM head.
+
+Preset fields (every one is a flag, e.g. --unroll 3): see the Preset dataclass. --unroll K is the
+training-time-test depth (1 = plain EAGLE-1/2 training; the reference EAGLE-3 uses 7 on GPUs).
 """
 import argparse
 import copy
 import json
 import math
+import os
 import platform
 import random
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import load_model, save_draft  # noqa: E402
+from checkpoint import load_draft, load_model, save_draft  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids  # noqa: E402
-from model import apply_rope  # noqa: E402
-from sampling import sample  # noqa: E402
+from model import KVCache, apply_rope  # noqa: E402
+from sampling import logits_to_probs, sample_from  # noqa: E402
 from speculative import Speculator, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
 @dataclass
 class Preset:
-    n_prompts: int = 6000        # prompts kept after filtering
+    n_prompts: int = 6000        # EAGLE-1/2: prompts kept after filtering
     val_fraction: float = 0.05   # held out for validation
     prompt_max_tokens: int = 96
     prompt_temperature: float = 1.0
     prompt_top_k: int = 100      # user messages are sampled among the 100 most probable tokens
     answer_max_tokens: int = 320
     sampled_fraction: float = 0.25  # answers sampled at temperature 1 (the rest greedy)
-    gen_batch: int = 128         # rows generated at once
+    gen_batch: int = 128         # rows generated at once (EAGLE-3: conversations per data shard)
     epochs: int = 6
     batch_tokens: int = 4096     # padded tokens per training batch
     lr: float = 1e-3
@@ -65,11 +91,16 @@ class Preset:
     ce_fraction: float = 0.25    # share of positions that get the CE term in training (validation: all)
     unroll: int = 2              # training-time test depth (1 = plain EAGLE-1/2 training)
     unroll_decay: float = 0.8    # loss weight of unrolled step k: decay ** (k - 1)
+    save_every: int = 50         # optimizer steps between saved training states
+    eval_every: int = 0          # optimizer steps between validations (0: after each epoch only)
     # EAGLE-3 only
-    multi_turn_fraction: float = 0.5  # conversations where the target also writes the user's follow-up
-    keep_top: int = 64           # the target's most probable next tokens recorded per position
+    n_shards: int = 40           # data shards of gen_batch conversations to write before training
+    multi_turn_fraction: float = 0.4  # conversations with a follow-up turn
+    keep_top: int = 64           # the target's most probable next tokens kept per position
     draft_vocab_size: int = 8192  # the draft's reduced vocabulary: the most frequent answer tokens
-    tau_depth: int = 6           # tree depth of the tau measured after each epoch
+    head_lr_scale: float = 1.0   # learning rate of the warm-started LM head and final norm, relative to lr
+    tau_depth: int = 6           # tree depth of the tau measured at validation
+    tau_max_tokens: int = 96     # tokens decoded per tau prompt
 
 
 PRESETS = {
@@ -85,16 +116,18 @@ PRESETS = {
                        batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
     },
     "eagle3": {
-        # SmolLM2-135M on a 2-core CPU: about two hours of data and training (see the README's
-        # training record for the shipped head's measured times).
-        "smollm2-cpu": Preset(n_prompts=6000, answer_max_tokens=256, epochs=3, unroll=5, lr=1e-3,
-                              warmup_steps=100, draft_vocab_size=8192),
+        # SmolLM2-135M on a 2-core CPU, over several sessions: the data shards are kept in git
+        # (data/SmolLM2-135M-Instruct/), training resumes from its saved state.
+        "smollm2-cpu": Preset(prompt_max_tokens=128, answer_max_tokens=256, sampled_fraction=0.15, val_fraction=0.03, epochs=4,
+                              unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
+                              eval_every=250, tau_max_tokens=128),
         # A GPU: the reference's recipe scaled to what the data stage can write in a few hours.
-        "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
-                      lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8),
-        "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
+        "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
+                      lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8, sampled_fraction=0.15,
+                      val_fraction=0.02),
+        "tiny": Preset(n_shards=3, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
                        batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25, unroll=3, keep_top=8,
-                       draft_vocab_size=256, tau_depth=4),
+                       draft_vocab_size=256, tau_depth=4, save_every=2),
     },
 }
 
@@ -104,68 +137,116 @@ PRESETS = {
 # and cache slots continue from its own length (model.py takes them per row), so a pad slot is
 # overwritten by that row's next token before the row ever attends to it.
 # ---------------------------------------------------------------------------------------------
-@torch.no_grad()
-def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids, layer_ids=None, keep_top=0,
-                   chunk=16):
-    """prompts: lists of ids. Returns one dict per row: "ids", the prompt + answer (cut after the
-    first stop token), and for every one of those tokens "features", float16 on the CPU: the
-    target's final post-norm hidden state (EAGLE-1/2), or with layer_ids the residual streams
-    entering those layers, concatenated (EAGLE-3); with keep_top, also "top_ids" int32 and
-    "top_probs" float16 [n, keep_top]: the keep_top most probable next tokens at each position
-    under the target's own distribution (temperature 1), which EAGLE-3 trains against.
+def sample_rows(logits, temperature, top_k):
+    """Next token of each row of logits [B, V]; temperature [B] (0: greedy) or one float."""
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(logits.size(0))
+    greedy = logits.argmax(-1)
+    if not bool((temperature > 0).any()):
+        return greedy
+    drawn = sample_from(logits_to_probs(logits.float() / temperature.clamp(min=1e-6)[:, None], 1.0, top_k, None))
+    return torch.where(temperature > 0, drawn, greedy)
 
-    The prompts are prefilled chunk positions at a time (so that [rows, chunk, vocab] logits stay
-    small) and attention reads only the live slots (kv_len): both keep a batch of 100+ rows fast."""
+
+def keep_cache_rows(model, rows: torch.Tensor):
+    """Shrink the target's KV cache to the batch rows `rows`: rows that finished their answer stop
+    costing a decode step (a batch otherwise runs as long as its longest answer)."""
+    model.kv_storage = model.kv_storage[:, :, rows]
+    model.max_batch_size = len(rows)
+    for layer, storage in zip(model.layers, model.kv_storage):
+        layer.attention.kv_cache = KVCache(storage)
+
+
+@torch.no_grad()
+def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids, chunk=16):
+    """prompts: lists of ids; temperature: one float or one per row (0: greedy). Returns per row
+    the prompt + answer ids, cut after the first stop token.
+
+    Nothing is recorded while decoding (features come from one teacher-forced pass afterwards:
+    target_features). Prompts are prefilled chunk positions at a time (so that [rows, chunk,
+    vocab] logits stay small), attention reads only the live slots (kv_len), and every 8 steps
+    rows that have stopped leave the batch once they are a quarter of it."""
     device = model.norm.weight.device
     B, lengths = len(prompts), torch.tensor([len(p) for p in prompts], device=device)
+    temps = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(B).clone()
     L = int(lengths.max())
     model.setup_caches(B, L + max_new_tokens + 1)
+    if model.max_batch_size > B:  # a bigger cache from an earlier call: use its first B rows
+        keep_cache_rows(model, torch.arange(B, device=device))
     padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=device)
-    record = []  # per position: (features [B, c, F], top_ids, top_probs) on the CPU
-
-    def forward(tokens, pos, kv_len):
-        logits, final, layer_inputs = model(tokens, pos, return_features=True, layer_ids=layer_ids or (),
-                                            kv_len=kv_len)
-        feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
-        top = torch.softmax(logits.float(), dim=-1).topk(keep_top, dim=-1) if keep_top else None
-        record.append((feats.half().cpu(), *((top.indices.int().cpu(), top.values.half().cpu()) if top else ())))
-        return logits
-
     last = torch.zeros(B, model.config.vocab_size, device=device)
     rows = torch.arange(B, device=device)
     for c0 in range(0, L, chunk):
         c1 = min(L, c0 + chunk)
-        logits = forward(padded[:, c0:c1], torch.arange(c0, c1, device=device), c1)
+        logits = model(padded[:, c0:c1], torch.arange(c0, c1, device=device), kv_len=c1)
         inside = (lengths - 1 >= c0) & (lengths - 1 < c1)  # rows whose last prompt token is in this chunk
         last = torch.where(inside[:, None], logits[rows, (lengths - 1 - c0).clamp(0, c1 - c0 - 1)], last)
-    n_prompt = len(record)
-    token = sample(last, temperature, top_k, None)
-    stop = torch.tensor(sorted(stop_ids), device=device)
+    token = sample_rows(last, temps, top_k)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    answers = torch.full((B, max_new_tokens), -1, dtype=torch.long)
+    live = torch.arange(B, device=device)  # which prompt each batch row answers
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    pos, steps_tokens = lengths.clone(), []
+    pos = lengths.clone()
     for step in range(max_new_tokens):
-        # Feeding the token gives its features (the last position's are a training target too)
-        # and the next token.
-        logits = forward(token[:, None], pos[:, None], L + step + 1)
-        steps_tokens.append(token)
+        answers[live.cpu(), step] = token.cpu()
         done |= torch.isin(token, stop)
-        if step % 8 == 7 and bool(done.all()):
+        if step == max_new_tokens - 1:
             break
-        token = sample(logits[:, -1], temperature, top_k, None)
+        if step % 8 == 7 and int(done.sum()) * 4 >= len(done):
+            if bool(done.all()):
+                break
+            keep = (~done).nonzero().flatten()
+            keep_cache_rows(model, keep)
+            live, token, pos, temps, done = live[keep], token[keep], pos[keep], temps[keep], done[keep]
+        # Feeding the token gives the next one; a finished row's extra tokens are cut below.
+        logits = model(token[:, None], pos[:, None], kv_len=L + step + 1)
+        token = sample_rows(logits[:, -1], temps, top_k)
         pos += 1
-    new_tokens = torch.stack(steps_tokens, 1).cpu()
-    columns = [torch.cat(parts, dim=1) for parts in zip(*record[:n_prompt])]  # the prompt's positions
-    steps = [torch.cat(parts, dim=1) for parts in zip(*record[n_prompt:])]    # then one per new token
-    names = ["features", "top_ids", "top_probs"]
     out = []
     for b in range(B):
-        answer = new_tokens[b].tolist()
+        answer = [t for t in answers[b].tolist() if t >= 0]
         n = next((i + 1 for i, t in enumerate(answer) if t in stop_ids), len(answer))
-        plen = len(prompts[b])
-        row = {"ids": prompts[b] + answer[:n]}
-        for name, prompt_part, answer_part in zip(names, columns, steps):
-            row[name] = torch.cat([prompt_part[b, :plen], answer_part[b, :n]])
-        out.append(row)
+        out.append(list(prompts[b]) + answer[:n])
+    return out
+
+
+@torch.no_grad()
+def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
+    """Teacher-forced: one forward of the target over each id sequence, several sequences per
+    forward (length-sorted, at most max_tokens padded tokens), as a prefill. Returns per sequence
+    "features" float16 [n, F]: the final post-norm hidden state (EAGLE-1/2), or with layer_ids the
+    residual streams entering those layers, concatenated (EAGLE-3); with keep_top also "top_ids"
+    int64 and "top_probs" float16 [n, keep_top], the target's most probable next tokens at every
+    position under its own distribution (temperature 1). Right padding changes nothing: attention
+    is causal."""
+    device = model.norm.weight.device
+    out = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    groups, current = [], []
+    for i in order:
+        if current and len(seqs[i]) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    groups += [current] if current else []
+    for group in groups:
+        n = max(len(seqs[i]) for i in group)
+        model.setup_caches(len(group), n)
+        if model.max_batch_size > len(group):
+            keep_cache_rows(model, torch.arange(len(group), device=device))
+        ids = torch.tensor([list(seqs[i]) + [0] * (n - len(seqs[i])) for i in group], device=device)
+        logits, final, layer_inputs = model(ids, torch.arange(n, device=device), return_features=True,
+                                            layer_ids=layer_ids or (), kv_len=n)
+        feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
+        # float16 halves the cache; the rare residual-stream value beyond its range (SmolLM2 reaches
+        # 25k at layer 27) is clamped rather than turned into inf
+        feats = feats.float().clamp(-65504, 65504)
+        for b, i in enumerate(group):
+            m = len(seqs[i])
+            row = {"features": feats[b, :m].half().cpu()}
+            if keep_top:
+                top = torch.softmax(logits[b, :m].float(), dim=-1).topk(keep_top, dim=-1)
+                row.update(top_ids=top.indices.cpu(), top_probs=top.values.half().cpu())
+            out[i] = row
     return out
 
 
@@ -220,7 +301,7 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
                                f"template right for this model?")
         for row in generate_batch(model, [prefix] * preset.gen_batch, preset.prompt_max_tokens,
                                   preset.prompt_temperature, preset.prompt_top_k, stop_ids):
-            answer = row["ids"][len(prefix):]
+            answer = row[len(prefix):]
             if not answer or answer[-1] not in stop_ids:
                 continue  # ran out of tokens: a truncated message
             text = tokenizer.decode(answer[:-1]).strip()
@@ -258,10 +339,11 @@ def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path,
             continue
         temperature = 1.0 if batch[0] in sampled else 0.0
         torch.manual_seed(seed + n)
-        results = generate_batch(model, [chats[i] for i in batch], preset.answer_max_tokens, temperature,
-                                 None, set(tokenizer.stop_ids))
-        torch.save({"ids": [torch.tensor(r["ids"], dtype=torch.int32) for r in results],
-                    "features": [r["features"] for r in results],
+        seqs = generate_batch(model, [chats[i] for i in batch], preset.answer_max_tokens, temperature,
+                              None, set(tokenizer.stop_ids))
+        feats = target_features(model, seqs)
+        torch.save({"ids": [torch.tensor(s, dtype=torch.int32) for s in seqs],
+                    "features": [f["features"] for f in feats],
                     "prompt_len": [len(chats[i]) for i in batch],
                     "split": [jobs[i][0] for i in batch],
                     "temperature": temperature}, shard)
@@ -278,12 +360,61 @@ def load_shards(data_dir: Path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 2 for EAGLE-3: conversations of one or two turns. For a two-turn conversation the target
-# writes the user's follow-up too (Magpie again, after its own first answer), then answers it, so
-# that second turns like MT-bench's are in the data. Each record holds the whole conversation as
-# the chat template encodes it, the three layers' inputs and the target's top keep_top next-token
-# probabilities at every token, and which tokens are the assistant's (the ones learned).
+# Stage 1+2 for EAGLE-3: conversations of one or two turns, kept as token ids.
+#
+# A user message is Magpie-sampled after the template's user-turn opening plus the opening words
+# of a kind of request (our own words, one category per conversation; "open" adds none): the
+# target writes the rest. A two-turn conversation's follow-up is seeded the same way with words
+# that ask to rewrite, continue or critique the first answer. Answers are greedy, a share sampled
+# at temperature 1. A shard stores the conversations as the chat template encodes them (uint16
+# ids) and which tokens are assistant tokens (those the draft learns), compressed.
 # ---------------------------------------------------------------------------------------------
+OPENERS = {
+    "writing": ["Write a short story about", "Write a poem about", "Write a blog post about", "Draft an email to",
+                "Write a product description for", "Write a speech for", "Compose a letter to",
+                "Write a persuasive essay on", "Write a short script in which", "Give me a catchy slogan for",
+                "Write a cover letter for", "Write a haiku about", "Write the opening paragraph of a novel about"],
+    "roleplay": ["Pretend you are", "Imagine you are a", "Act as a", "You are a pirate captain.", "Play the role of",
+                 "Let's role-play:", "Respond as if you were", "You are a medieval knight", "Take on the persona of",
+                 "Stay in character as"],
+    "reasoning": ["If all", "A man has", "Which of the following is true:", "Solve this riddle:", "Three friends",
+                  "Explain the logic behind", "What comes next in the sequence", "Is it possible that",
+                  "Suppose that", "Here is a puzzle:"],
+    "math": ["Solve for x:", "What is the derivative of", "Calculate", "A train travels", "Prove that",
+             "How many ways can", "What is the probability that", "Find the area of", "Simplify the expression",
+             "If a rectangle has", "What is 15% of"],
+    "coding": ["Write a Python function that", "How do I", "Write a JavaScript function to",
+               "Explain what this code does:", "Fix the bug in this code:", "Write a SQL query that", "Implement a",
+               "What is the difference between a list and", "Write a C++ program that", "How can I reverse",
+               "Write a bash script that"],
+    "extraction": ["Extract the names of", "From the following text, list", "Summarize the following paragraph:",
+                   "Identify the main points in", "Pull out all the dates mentioned in",
+                   "Read the review below and tell me", "Convert the following information into a table:",
+                   "Given this product description, extract", "List the key facts from",
+                   "Classify the following sentences"],
+    "stem": ["Explain how", "What is the role of", "Why does", "Describe the process of", "How does a",
+             "What are the main differences between", "What causes", "Explain the concept of", "How do vaccines",
+             "What happens when"],
+    "humanities": ["What were the main causes of", "Discuss the significance of", "Compare the philosophies of",
+                   "Who was", "Explain the impact of", "What is the meaning of", "Analyze the themes of",
+                   "How did the Renaissance", "What role did religion play in", "Describe the culture of"],
+    "everyday": ["What should I", "Can you recommend", "How can I improve my", "Give me tips for",
+                 "What is a good way to", "I need help planning", "How do I make", "What are some healthy",
+                 "Help me decide between", "Suggest a weekend plan for"],
+    "open": [""],
+}
+FOLLOW_UPS = {
+    "rewrite": ["Rewrite your answer", "Can you make it shorter", "Please rewrite that in", "Now rewrite it for",
+                "Make your answer more", "Summarize your answer in", "Turn that into a", "Rephrase it so that"],
+    "continue": ["Can you continue", "Tell me more about", "Give me another example of", "Can you expand on",
+                 "What happens next", "Now add", "Go on and explain", "Can you give more details on"],
+    "critique": ["What are the weaknesses of your", "Is there anything wrong with", "Can you double-check your",
+                 "Review your answer and", "Are you sure that", "What would a critic say about",
+                 "How could your answer be improved", "Point out any mistakes in"],
+}
+CATEGORIES = list(OPENERS)
+
+
 def next_user_prefix(tokenizer, messages):
     """The token ids of the conversation `messages` followed by the template's opening of the
     next user message (the Magpie prompt for a follow-up)."""
@@ -293,90 +424,203 @@ def next_user_prefix(tokenizer, messages):
     return a[:n]
 
 
-def answer_spans(ids, starts, stop_ids):
-    """For each start (where an assistant answer begins), the span [start, end) up to and including
-    the answer's stop token."""
-    spans = []
-    for start in starts:
-        end = next((i + 1 for i in range(start, len(ids)) if ids[i] in stop_ids), len(ids))
-        spans.append((start, end))
-    return spans
+def assistant_header(tokenizer):
+    """The ids the template puts before every assistant answer (after the user's message)."""
+    m = [{"role": "user", "content": "A"}]
+    a, b = tokenizer.apply_chat_template(m, False), tokenizer.apply_chat_template(m, True)
+    return b[len(a):]
 
 
-def conversation_record(row, spans):
-    """What a shard stores per conversation; learn[p]: the token after position p is an answer token."""
-    learn = torch.zeros(len(row["ids"]), dtype=torch.bool)
-    for start, end in spans:
-        learn[start - 1:end - 1] = True
-    return {"ids": torch.tensor(row["ids"], dtype=torch.int32), "features": row["features"],
-            "top_ids": row["top_ids"], "top_probs": row["top_probs"], "learn": learn}
+def assistant_mask(ids, header, stop_ids):
+    """Per token: whether it belongs to an assistant answer (from the token after an assistant
+    header up to and including the answer's stop token)."""
+    mask, i, h = [False] * len(ids), 0, len(header)
+    while i + h <= len(ids):
+        if ids[i:i + h] == header:
+            j = i + h
+            while j < len(ids):
+                mask[j] = True
+                if ids[j] in stop_ids:
+                    break
+                j += 1
+            i = j + 1
+        else:
+            i += 1
+    return mask
 
 
-def make_conversations(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path, seed: int,
-                       layer_ids, max_batches: int | None = None):
-    """Shards conv_NNNNN.pt of conversation records, one per generation batch, so that an
-    interrupted run resumes where it stopped. Greedy and sampled (temperature 1) conversations
-    come in separate batches, each batch of prompts of similar length."""
-    jobs = [(split, text) for split in ("train", "val") for text in prompts[split]]
-    rng = random.Random(seed)
-    sampled = [rng.random() < preset.sampled_fraction for _ in jobs]
-    two_turns = [rng.random() < preset.multi_turn_fraction for _ in jobs]
-    chat = lambda messages, gen=True: tokenizer.apply_chat_template(messages, add_generation_prompt=gen)  # noqa: E731
-    firsts = [chat([{"role": "user", "content": text}]) for _, text in jobs]
-    order = sorted(range(len(jobs)), key=lambda i: (sampled[i], len(firsts[i])))
-    batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)]
-    # Batches run in a shuffled order so that a run cut short (--max_answer_batches) still sees
-    # short and long prompts, greedy and sampled answers, train and validation prompts.
-    random.Random(seed + 1).shuffle(batches)
-    batches = batches[:max_batches]
+def seeded_messages(model, tokenizer, prefixes, openers, preset: Preset, stop_ids):
+    """Magpie with a seed: after each prefix (ids ending where a user message begins) and its
+    opening words, the target writes the rest of the message. Returns the texts (None where the
+    message was cut off)."""
+    seeds = [tokenizer.encode(o, bos=False) if o else [] for o in openers]
+    rows = generate_batch(model, [p + s for p, s in zip(prefixes, seeds)], preset.prompt_max_tokens,
+                          preset.prompt_temperature, preset.prompt_top_k, stop_ids)
+    texts = []
+    for p, row in zip(prefixes, rows):
+        message = row[len(p):]
+        texts.append(tokenizer.decode(message[:-1]).strip() if message and message[-1] in stop_ids else None)
+    return texts
+
+
+def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: int):
+    """gen_batch conversations (fewer when too few messages pass the filter): dicts of "ids",
+    "assistant" (bools), "split", "temperature", "category", "turns"."""
+    rng = random.Random(seed * 1_000_003 + index)
+    torch.manual_seed(seed * 1_000_003 + index)
     stop_ids = set(tokenizer.stop_ids)
-    for n, batch in enumerate(tqdm(batches, desc="conversations", unit="batch")):
-        shard = data_dir / f"conv_{n:05d}.pt"
-        if shard.is_file():
-            continue
-        temperature = 1.0 if sampled[batch[0]] else 0.0
-        torch.manual_seed(seed + n)
-        turn1 = generate_batch(model, [firsts[i] for i in batch], preset.answer_max_tokens, temperature, None,
-                               stop_ids, layer_ids, preset.keep_top)
-        records, seconds = {}, []
-        for j, i in enumerate(batch):
-            finished = turn1[j]["ids"][-1] in stop_ids
-            if two_turns[i] and finished:  # a cut-off answer gets no follow-up
-                answer = tokenizer.decode(turn1[j]["ids"][len(firsts[i]):-1])
-                seconds.append((j, [{"role": "user", "content": jobs[i][1]}, {"role": "assistant", "content": answer}]))
-            else:
-                records[j] = conversation_record(turn1[j], answer_spans(turn1[j]["ids"], [len(firsts[i])], stop_ids))
-        if seconds:
-            follow = generate_batch(model, [next_user_prefix(tokenizer, m) for _, m in seconds],
-                                    preset.prompt_max_tokens, preset.prompt_temperature, preset.prompt_top_k,
-                                    stop_ids, layer_ids=None)
-            kept, seen = [], set()
-            for (j, messages), row in zip(seconds, follow):
-                text = row["ids"][len(next_user_prefix(tokenizer, messages)):]
-                text = tokenizer.decode(text[:-1]).strip() if text and text[-1] in stop_ids else ""
-                if text and keep_prompt(text, seen):
-                    kept.append((j, messages + [{"role": "user", "content": text}]))
-                else:  # no usable follow-up: keep the first turn alone
-                    i = batch[j]
-                    records[j] = conversation_record(turn1[j], answer_spans(turn1[j]["ids"], [len(firsts[i])], stop_ids))
-            if kept:
-                prompts2 = [chat(m) for _, m in kept]
-                turn2 = generate_batch(model, prompts2, preset.answer_max_tokens, temperature, None, stop_ids,
-                                       layer_ids, preset.keep_top)
-                for (j, messages), prompt2, row in zip(kept, prompts2, turn2):
-                    start1 = len(chat(messages[:1]))
-                    records[j] = conversation_record(row, answer_spans(row["ids"], [start1, len(prompt2)], stop_ids))
-        torch.save({"records": [records[j] for j in range(len(batch))],
-                    "split": [jobs[i][0] for i in batch], "temperature": temperature}, shard)
+    chat = tokenizer.apply_chat_template
+    n_try = preset.gen_batch + preset.gen_batch // 4  # some messages fail the filter
+    categories = [rng.choice(CATEGORIES) for _ in range(n_try)]
+    openers = [rng.choice(OPENERS[c]) for c in categories]
+    prefix = user_turn_prefix(tokenizer)
+    seen, convs = set(), []
+    for text, category in zip(seeded_messages(model, tokenizer, [prefix] * n_try, openers, preset, stop_ids),
+                              categories):
+        if text and keep_prompt(text, seen) and len(convs) < preset.gen_batch:
+            convs.append({"messages": [{"role": "user", "content": text}], "category": category,
+                          "temperature": 1.0 if rng.random() < preset.sampled_fraction else 0.0,
+                          "turns": 2 if rng.random() < preset.multi_turn_fraction else 1,
+                          "split": "val" if rng.random() < preset.val_fraction else "train"})
+    header = assistant_header(tokenizer)
+
+    def answer(group):  # the target's answers to the conversations' last user messages
+        prompts = [chat(c["messages"]) for c in group]
+        seqs = generate_batch(model, prompts, preset.answer_max_tokens, [c["temperature"] for c in group], None,
+                              stop_ids)
+        for c, p, s in zip(group, prompts, seqs):
+            c["ids"], c["answer"] = s, s[len(p):]
+
+    answer(convs)
+    # Follow-ups, also after an answer cut off at answer_max_tokens: MT-bench's second turns follow
+    # first answers cut at the benchmark's token budget the same way (the template closes the turn).
+    two = [c for c in convs if c["turns"] == 2 and c["answer"]]
+    if two:
+        for c in two:
+            cut = c["answer"][:-1] if c["answer"][-1] in stop_ids else c["answer"]
+            c["messages"].append({"role": "assistant", "content": tokenizer.decode(cut)})
+        kinds = [rng.choice(sorted(FOLLOW_UPS)) for _ in two]
+        follow = seeded_messages(model, tokenizer, [next_user_prefix(tokenizer, c["messages"]) for c in two],
+                                 [rng.choice(FOLLOW_UPS[k]) for k in kinds], preset, stop_ids)
+        seen, again = set(), []
+        for c, text in zip(two, follow):
+            if text and keep_prompt(text, seen):
+                c["messages"].append({"role": "user", "content": text})
+                again.append(c)
+            else:  # no usable follow-up: the first turn alone
+                c["turns"] = 1
+        if again:
+            answer(again)
+    return [{"ids": c["ids"], "assistant": assistant_mask(c["ids"], header, stop_ids), "split": c["split"],
+             "temperature": c["temperature"], "category": c["category"], "turns": c["turns"]} for c in convs]
 
 
-def load_conversations(data_dir: Path):
+def save_conversations(path: Path, convs, meta: dict):
+    """One compressed .npz: ids uint16 (all conversations back to back), offsets, the assistant
+    mask bit-packed, and per conversation its split, temperature, category and number of turns.
+    Written to a temporary name first, so that a killed run leaves no half shard."""
+    ids = np.concatenate([np.asarray(c["ids"], dtype=np.int64) for c in convs]) if convs else np.zeros(0, np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= 2 ** 16):
+        raise ValueError("token ids must fit in uint16 (a vocabulary of at most 65,536)")
+    mask = np.concatenate([np.asarray(c["assistant"], dtype=bool) for c in convs]) if convs else np.zeros(0, bool)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(
+        tmp, ids=ids.astype(np.uint16), offsets=np.cumsum([0] + [len(c["ids"]) for c in convs]).astype(np.int64),
+        assistant=np.packbits(mask), val=np.array([c["split"] == "val" for c in convs], dtype=bool),
+        temperature=np.array([c["temperature"] for c in convs], dtype=np.float32),
+        category=np.array([CATEGORIES.index(c["category"]) for c in convs], dtype=np.uint8),
+        turns=np.array([c["turns"] for c in convs], dtype=np.uint8),
+        categories=np.array(CATEGORIES), meta=np.array(json.dumps(meta)))
+    os.replace(tmp, path)
+
+
+def load_conversation_arrays(path: Path) -> dict:
+    """A shard's arrays: ids (uint16), offsets, assistant (bool per token), val, temperature,
+    category (names), turns."""
+    with np.load(path, allow_pickle=False) as z:
+        s = {k: z[k] for k in z.files}
+    s["assistant"] = np.unpackbits(s["assistant"], count=len(s["ids"])).astype(bool)
+    s["category"] = np.asarray(s["categories"])[s["category"]] if len(s["category"]) else np.array([], dtype=str)
+    return s
+
+
+def load_conversation_shard(path: Path):
+    """The conversations of a shard, as make_conversation_shard returned them."""
+    s = load_conversation_arrays(path)
+    o = s["offsets"]
+    return [{"ids": s["ids"][o[i]:o[i + 1]].astype(np.int64).tolist(),
+             "assistant": s["assistant"][o[i]:o[i + 1]].tolist(), "split": "val" if s["val"][i] else "train",
+             "temperature": float(s["temperature"][i]), "category": str(s["category"][i]), "turns": int(s["turns"][i])}
+            for i in range(len(o) - 1)]
+
+
+def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: int, n_shards: int):
+    """Shards conv_00000.npz ... up to n_shards; the ones already there are kept (a later session
+    continues where an earlier one stopped)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"seed": seed, "gen_batch": preset.gen_batch, "answer_max_tokens": preset.answer_max_tokens,
+            "prompt_max_tokens": preset.prompt_max_tokens, "sampled_fraction": preset.sampled_fraction,
+            "multi_turn_fraction": preset.multi_turn_fraction, "val_fraction": preset.val_fraction}
+    todo = [n for n in range(n_shards) if not (data_dir / f"conv_{n:05d}.npz").is_file()]
+    for n in tqdm(todo, desc="conversation shards", unit="shard"):
+        t0, cpu0 = time.time(), time.process_time()
+        convs = make_conversation_shard(model, tokenizer, preset, n, seed)
+        minutes, cpu_minutes = (time.time() - t0) / 60, (time.process_time() - cpu0) / 60
+        save_conversations(data_dir / f"conv_{n:05d}.npz", convs, {**meta, "shard": n, "minutes": minutes,
+                                                                     "cpu_minutes": cpu_minutes})
+        tokens = sum(len(c["ids"]) for c in convs)
+        # CPU minutes too: the wall clock also counts the time the job was paused (kill -STOP)
+        print(f"shard {n}: {len(convs)} conversations ({sum(c['turns'] == 2 for c in convs)} two-turn), "
+              f"{tokens} tokens in {minutes:.1f} min ({cpu_minutes:.1f} CPU min)", file=sys.stderr, flush=True)
+
+
+def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_top: int, max_tokens=8192):
+    """The teacher-forced features and top tokens of a shard's conversations, cached as .npy files
+    under cache_dir (memory-mapped when read: the page cache holds them, not the process) and
+    recomputed when missing or made from other ids. Returns (features [T, F] float16, top_ids
+    [T, K] uint16, top_probs [T, K] float16), rows in the shard's token order."""
+    s = load_conversation_arrays(shard)
+    stamp = {"tokens": int(len(s["ids"])), "crc32": zlib.crc32(s["ids"].tobytes()), "layer_ids": list(layer_ids),
+             "keep_top": keep_top}
+    names = [cache_dir / f"{shard.stem}.{part}.npy" for part in ("features", "top_ids", "top_probs")]
+    stamp_file = cache_dir / f"{shard.stem}.json"
+    if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        o = s["offsets"]
+        seqs = [s["ids"][o[i]:o[i + 1]].astype(np.int64).tolist() for i in range(len(o) - 1)]
+        rows = target_features(model, seqs, layer_ids, keep_top, max_tokens)
+        width = 3 * model.config.dim
+        parts = [torch.cat([r["features"] for r in rows]) if rows else torch.zeros(0, width, dtype=torch.half),
+                 torch.cat([r["top_ids"] for r in rows]).to(torch.int32) if rows else torch.zeros(0, keep_top),
+                 torch.cat([r["top_probs"] for r in rows]) if rows else torch.zeros(0, keep_top)]
+        for name, array, dtype in zip(names, parts, (np.float16, np.uint16, np.float16)):
+            np.save(name.with_suffix(".tmp.npy"), array.numpy().astype(dtype))
+            os.replace(name.with_suffix(".tmp.npy"), name)
+        stamp_file.write_text(json.dumps(stamp))
+    return tuple(np.load(name, mmap_mode="r") for name in names)
+
+
+def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_top: int, shards=None):
+    """Training records {"ids", "learn", "features", "top_ids", "top_probs", "turns", "prompt"} of
+    every conversation in the shards (names, default all in data_dir), split into train and val;
+    features and top tokens are memory-mapped slices. learn[p]: the token after position p is an
+    assistant token. prompt: the ids up to the last answer (what a tau measurement starts from)."""
     data = {"train": [], "val": []}
-    for shard in sorted(data_dir.glob("conv_*.pt")):
-        s = torch.load(shard, weights_only=True)
-        for record, split in zip(s["records"], s["split"]):
-            if record["learn"].any():
-                data[split].append(record)
+    names = shards if shards is not None else sorted(p.name for p in data_dir.glob("conv_*.npz"))
+    for name in tqdm(names, desc="features", unit="shard"):
+        s = load_conversation_arrays(data_dir / name)
+        feats, top_ids, top_probs = conversation_features(model, data_dir / name, cache_dir, layer_ids, keep_top)
+        o = s["offsets"]
+        for i in range(len(o) - 1):
+            a, b = o[i], o[i + 1]
+            answer = s["assistant"][a:b]
+            if not answer[1:].any():
+                continue
+            starts = np.flatnonzero(answer[1:] & ~answer[:-1]) + 1
+            data["val" if s["val"][i] else "train"].append(
+                {"ids": s["ids"][a:b], "learn": np.concatenate([answer[1:], [False]]), "features": feats[a:b],
+                 "top_ids": top_ids[a:b], "top_probs": top_probs[a:b], "turns": int(s["turns"][i]),
+                 "prompt": s["ids"][a:a + starts[-1]]})
     return data
 
 
@@ -385,11 +629,11 @@ def load_conversations(data_dir: Path):
 # ---------------------------------------------------------------------------------------------
 def token_counts(records, vocab_size: int) -> torch.Tensor:
     """How often each token is an answer token (a learned position's next token)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts = np.zeros(vocab_size, dtype=np.int64)
     for r in records:
-        ids = r["ids"].long()
-        counts += torch.bincount(ids[1:][r["learn"][:-1]], minlength=vocab_size)
-    return counts
+        ids, learn = np.asarray(r["ids"], dtype=np.int64), np.asarray(r["learn"], dtype=bool)
+        counts += np.bincount(ids[1:][learn[:-1]], minlength=vocab_size)
+    return torch.from_numpy(counts)
 
 
 def choose_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -401,14 +645,23 @@ def choose_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
 def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
     """The share of the target's argmax tokens at learned positions that the vocabulary holds:
     guesses outside it cannot be drafted, so this bounds what the reduction costs."""
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[vocab] = True
+    inside = np.zeros(vocab_size, dtype=bool)
+    inside[vocab.numpy()] = True
     hit = total = 0
     for r in records:
-        top1 = r["top_ids"][:, 0].long()[r["learn"]]
+        top1 = np.asarray(r["top_ids"][:, 0], dtype=np.int64)[np.asarray(r["learn"], dtype=bool)]
         hit += int(inside[top1].sum())
-        total += top1.numel()
+        total += top1.size
     return hit / max(1, total)
+
+
+def warm_start(draft: Eagle3Draft, target):
+    """The draft's LM head starts as the target's output rows for the draft vocabulary, its final
+    norm as the target's: from the first step its logits are the target's own head read off the
+    draft's output, instead of random (as vLLM's speculators initialise EAGLE-3 drafts)."""
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(target.output.weight[draft.vocab.to(target.output.weight.device)])
+        draft.norm.weight.copy_(target.norm.weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,13 +700,16 @@ def make_batches(items, batch_tokens: int, shuffle: bool, rng: random.Random):
     return make_batches_by_length([len(item[0]) for item in items], batch_tokens, shuffle, rng)
 
 
-def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: random.Random):
-    """Batches of indices into lengths, length-sorted, of at most batch_tokens padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: random.Random, groups=None):
+    """Batches of indices into lengths, length-sorted, of at most batch_tokens padded tokens. With
+    groups (one key per item, e.g. its number of turns) a batch holds one group only: long
+    two-turn conversations do not make a batch of short one-turn ones wait."""
+    groups = groups or [0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (groups[i], lengths[i]))
     batches, current = [], []
     for i in order:
         longest = lengths[i]  # sorted by length: the newest item is the longest
-        if current and longest * (len(current) + 1) > batch_tokens:
+        if current and (longest * (len(current) + 1) > batch_tokens or groups[i] != groups[current[-1]]):
             batches.append(current)
             current = []
         current.append(i)
@@ -544,25 +800,27 @@ def validate(draft, target, data, preset: Preset, device, autocast):
 def collate3(items, device, draft_index: torch.Tensor):
     """Right-padded batch: ids [B, n]; features [B, n, F]; the target's top tokens as draft-vocab
     indices [B, n, K] (-1: outside it) with their probabilities renormalised over the draft
-    vocabulary; learn [B, n]: positions whose next token is an answer token the draft can say
-    (the target's argmax lies in its vocabulary, as the reference masks)."""
+    vocabulary; answer [B, n]: positions whose next token is an answer token; learn [B, n]: those
+    of them the draft can say (the target's argmax lies in its vocabulary; the reference masks
+    the loss so). Items hold numpy arrays or memory-mapped slices (load_conversations)."""
     n = max(len(r["ids"]) for r in items)
-    B, F_, K = len(items), items[0]["features"].size(-1), items[0]["top_ids"].size(-1)
+    B, F_, K = len(items), items[0]["features"].shape[-1], items[0]["top_ids"].shape[-1]
     ids = torch.zeros(B, n, dtype=torch.long)
     feats = torch.zeros(B, n, F_)
     top_idx = torch.full((B, n, K), -1, dtype=torch.long)
     top_p = torch.zeros(B, n, K)
-    learn = torch.zeros(B, n, dtype=torch.bool)
+    answer = torch.zeros(B, n, dtype=torch.bool)
     for b, r in enumerate(items):
         m = len(r["ids"])
-        ids[b, :m], feats[b, :m] = r["ids"].long(), r["features"].float()
-        top_idx[b, :m] = draft_index[r["top_ids"].long()]
-        top_p[b, :m] = r["top_probs"].float()
-        learn[b, :m] = r["learn"]
+        ids[b, :m] = torch.from_numpy(np.array(r["ids"], dtype=np.int64))  # (copies out of the memory maps)
+        feats[b, :m] = torch.from_numpy(np.array(r["features"], dtype=np.float32))
+        top_idx[b, :m] = draft_index[torch.from_numpy(np.array(r["top_ids"], dtype=np.int64))]
+        top_p[b, :m] = torch.from_numpy(np.array(r["top_probs"], dtype=np.float32))
+        answer[b, :m] = torch.from_numpy(np.array(r["learn"], dtype=bool))
     top_p = top_p * (top_idx >= 0)
-    learn &= top_idx[..., 0] >= 0
+    learn = answer & (top_idx[..., 0] >= 0)
     top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-12)
-    return ids.to(device), feats.to(device), top_idx.to(device), top_p.to(device), learn.to(device)
+    return tuple(x.to(device) for x in (ids, feats, top_idx, top_p, learn, answer))
 
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -573,8 +831,10 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], dim=1)
 
 
-def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, preset: Preset):
-    """Per unrolled step k = 0 .. unroll - 1: (weighted loss, soft CE, top-1 accuracy)."""
+def eagle3_unroll(draft, embed, ids, feats, unroll: int):
+    """The draft's outputs o^k [B, n, dim] of the unrolled steps k = 0 .. unroll - 1, all positions
+    of a step in one pass (attention written out: step 0 is causal over the true entries, a later
+    step also sees its own chain at the same index)."""
     B, n = ids.shape
     layer, attn = draft.layer, draft.layer.attention
     H, KV, D = attn.n_head, attn.n_local_heads, attn.head_dim
@@ -582,8 +842,8 @@ def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, preset: Prese
     t = torch.arange(n, device=ids.device)
     causal = t[None, :] <= t[:, None]  # step-0 keys visible from index t
     h = draft.fc(feats.to(draft.fc.weight.dtype))
-    keys, values, results = [], [], []
-    for k in range(preset.unroll):
+    keys, values, outputs = [], [], []
+    for k in range(unroll):
         tokens = _shift(ids, k + 1)  # tok_{t+k+1}
         x = torch.cat([layer.input_norm(embed(tokens)), layer.hidden_norm(h)], dim=-1)
         q, kk, v = attn.wqkv(x).split([H * D, KV * D, KV * D], dim=-1)
@@ -604,43 +864,58 @@ def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, preset: Prese
             out = out + probs[..., n + j, None] * vj[:, :, None]
         o = h + attn.wo(out.reshape(B, H, n, D).transpose(1, 2).reshape(B, n, H * D))
         h = o + layer.feed_forward(layer.ffn_norm(o))
-        logp = torch.log_softmax(draft.lm_head(draft.norm(h)).float(), dim=-1)
-        # the target at position t + k + 1; positions past the end learn nothing
-        sel = _shift(learn, k + 1, False) & (t + k + 1 < n)
+        outputs.append(h)
+    return outputs
+
+
+def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, preset: Preset):
+    """Per unrolled step k: (weighted loss, summed soft CE, hits, positions with a loss, answer
+    positions). The LM head and log-softmax run only on the positions that carry a loss (most
+    of a step's cost otherwise, and most positions are prompts or padding); an answer position
+    whose target token is outside the draft vocabulary is a miss without running them."""
+    n = ids.size(1)
+    t = torch.arange(n, device=ids.device)
+    results = []
+    for k, h in enumerate(eagle3_unroll(draft, embed, ids, feats, preset.unroll)):
+        inside = t + k + 1 < n  # the target at position t + k + 1; positions past the end learn nothing
+        sel = _shift(learn, k + 1, False) & inside
+        n_answer = (_shift(answer, k + 1, False) & inside).sum()
         idx, p = _shift(top_idx, k + 1, -1)[sel], _shift(top_p, k + 1, 0.0)[sel]
-        logp = logp[sel]
-        ce = -(p * logp.gather(1, idx.clamp(min=0))).sum(-1).mean()
-        acc = (logp.argmax(-1) == idx[:, 0]).float().mean()
-        results.append((preset.unroll_decay ** k * ce, ce.detach(), acc.detach()))
+        logp = torch.log_softmax(draft.lm_head(draft.norm(h[sel])).float(), dim=-1)
+        ce = -(p * logp.gather(1, idx.clamp(min=0))).sum(-1)
+        hits = (logp.argmax(-1) == idx[:, 0]).sum()
+        mean = ce.sum() / max(1, int(sel.sum()))
+        results.append((preset.unroll_decay ** k * mean, ce.sum().detach(), hits, sel.sum(), n_answer))
     return results
 
 
 @torch.no_grad()
 def validate3(draft, target, data, preset: Preset, device, autocast, draft_index):
+    """Per unrolled step: [soft CE, top-1 accuracy (out-of-vocabulary targets are misses), top-1
+    accuracy among targets in the vocabulary], over every answer token of data."""
     draft.eval()
-    sums, count = None, 0
+    sums = torch.zeros(preset.unroll, 4)
     for batch in make_batches_by_length([len(r["ids"]) for r in data], preset.batch_tokens, False, random.Random(0)):
         with autocast():
             res = eagle3_losses(draft, target.tok_embeddings, *collate3([data[i] for i in batch], device, draft_index),
                                 preset)
-        vals = torch.tensor([[ce, acc] for _, ce, acc in res])
-        sums = vals * len(batch) if sums is None else sums + vals * len(batch)
-        count += len(batch)
+        sums += torch.tensor([[float(x) for x in r[1:]] for r in res])
     draft.train()
-    return sums / count  # [unroll, 2]: soft CE, accuracy per step
+    ce_sum, hits, n_sel, n_answer = sums.unbind(-1)
+    return torch.stack([ce_sum / n_sel.clamp(min=1), hits / n_answer.clamp(min=1), hits / n_sel.clamp(min=1)], -1)
 
 
 @torch.no_grad()
-def measure_tau(target, draft, tokenizer, prompts, max_new_tokens=96, **tree):
-    """Mean accepted tokens per round of real EAGLE-2-tree decoding (greedy) on a few prompts; None
-    when no round ran (every answer stopped at its first token, as a barely trained tiny target's may)."""
+def measure_tau(target, draft, stop_ids, prompts, max_new_tokens=96, **tree):
+    """Mean accepted tokens per round of real EAGLE-2-tree decoding (greedy) on prompts (id lists);
+    None when no round ran (every answer stopped at its first token, as a barely trained tiny
+    target's may)."""
     draft = copy.deepcopy(draft).to(target.norm.weight.dtype)  # decode in the target's dtype
     draft.max_seq_length = -1  # training replaced the draft's KV cache: let the Speculator make one
-    spec = Speculator(target, draft, stop_ids=tokenizer.stop_ids, **tree)
+    spec = Speculator(target, draft, stop_ids=stop_ids, **tree)
     rounds = []
-    for text in prompts:
-        prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])],
-                              device=target.norm.weight.device)
+    for ids in prompts:
+        prompt = torch.tensor([list(map(int, ids))], device=target.norm.weight.device)
         _, per_round = speculative_generate(spec, prompt, max_new_tokens)
         rounds += per_round[0]
     return sum(rounds) / len(rounds) if rounds else None
@@ -652,29 +927,57 @@ def setup_for_training(draft, max_len: int):
     draft.setup_caches(1, max_len)
 
 
-def train(target, tokenizer, data, prompts, preset: Preset, args, vocab=None):
+def make_draft(target, args, vocab=None):
+    """A fresh head: EAGLE-3 with the draft vocabulary `vocab` (warm-started from the target unless
+    --no-warm_start), or EAGLE-1/2."""
+    if args.arch == "eagle3":
+        draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
+        draft.vocab.copy_(vocab)
+        if args.warm_start:
+            warm_start(draft, target)
+        return draft
+    return EagleDraft(draft_config_for(target.config), fc_bias=args.fc_bias)
+
+
+def save_state(path: Path, state: dict):
+    """torch.save through a temporary file: a run killed while saving keeps the previous state."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None, on_eval=None, baseline_tau=None):
     """The training loop of both architectures: AdamW, warm-up then cosine, clipping by value,
-    bf16 autocast, validation and tau after every epoch, resumable from the last finished epoch.
-    vocab: EAGLE-3's draft vocabulary (target ids, ascending)."""
+    bf16 autocast. Validation (and tau on tau_prompts) after every epoch and every eval_every
+    steps; the state is saved every save_every steps, at every validation and when max_steps is
+    reached, and --resume continues from it bit for bit (the epoch's batch order is rebuilt from
+    the random state saved at the epoch's start). on_eval(draft, state, ship): called after every
+    validation; ship is True when the head should be written out: its tau beats the best so far
+    and baseline_tau (the head already shipped), or it is the first validation and there is no
+    baseline. Returns (draft, history, state)."""
     device = target.norm.weight.device
     torch.manual_seed(args.seed)
     eagle3 = args.arch == "eagle3"
+    draft = make_draft(target, args, vocab).to(device).train()
     if eagle3:
-        draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
-        draft.vocab.copy_(vocab)
         draft_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)  # target id -> draft index
         draft_index[vocab] = torch.arange(len(vocab))
-        length = lambda item: len(item["ids"])  # noqa: E731
+        lengths = [len(r["ids"]) for r in data["train"]]
+        groups = [r["turns"] for r in data["train"]]
+        max_len = max(lengths + [len(r["ids"]) for r in data["val"]])
     else:
-        draft = EagleDraft(draft_config_for(target.config), fc_bias=args.fc_bias)
-        length = lambda item: len(item[0])  # noqa: E731
-    draft = draft.to(device).train()
-    lengths = [length(item) for item in data["train"]]
-    setup_for_training(draft, max(lengths + [length(item) for item in data["val"]]) + preset.unroll + 1)
+        lengths, groups = [len(item[0]) for item in data["train"]], None
+        max_len = max(lengths + [len(item[0]) for item in data["val"]])
+    setup_for_training(draft, max_len + preset.unroll + 1)
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
+    # The warm-started LM head and final norm may learn at their own rate (head_lr_scale).
+    slow = [draft.lm_head.weight, draft.norm.weight] if eagle3 and preset.head_lr_scale != 1.0 else []
+    param_groups = [{"params": [p for p in params if all(p is not s for s in slow)]}]
+    if slow:
+        param_groups.append({"params": slow, "lr": preset.lr * preset.head_lr_scale})
+    opt = torch.optim.AdamW(param_groups, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
     rng = random.Random(args.seed)
-    steps_per_epoch = len(make_batches_by_length(lengths, preset.batch_tokens, False, rng))
+    steps_per_epoch = len(make_batches_by_length(lengths, preset.batch_tokens, False, rng, groups))
     total = preset.epochs * steps_per_epoch
 
     def lr_at(step):  # linear warm-up, then cosine to 10%
@@ -685,27 +988,68 @@ def train(target, tokenizer, data, prompts, preset: Preset, args, vocab=None):
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     state_file = args.work_dir / "train_state.pt"
-    start_epoch, step, history = 0, 0, []
+    st = {"epoch": 0, "batch": 0, "step": 0, "epoch_rng": rng.getstate(), "history": [], "losses": [],
+          "seconds": 0.0, "best_tau": None, "baseline_tau": baseline_tau, "shipped_step": None, "last_eval": 0}
     if state_file.is_file():
-        state = torch.load(state_file, weights_only=False)
-        draft.load_state_dict(state["draft"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        start_epoch, step, history = state["epoch"], state["step"], state["history"]
-        rng.setstate(state["rng"])
-        print(f"resuming at epoch {start_epoch}, step {step}", file=sys.stderr)
+        saved = torch.load(state_file, weights_only=False)
+        draft.load_state_dict(saved.pop("draft"))
+        opt.load_state_dict(saved.pop("opt"))
+        sched.load_state_dict(saved.pop("sched"))
+        torch.set_rng_state(saved.pop("torch_rng"))
+        changed = {k: (v, getattr(preset, k)) for k, v in saved.pop("preset", {}).items() if getattr(preset, k) != v}
+        if changed:
+            print(f"resuming with changed settings (saved, now): {changed}", file=sys.stderr)
+        st.update(saved)
+        print(f"resuming at epoch {st['epoch']}, batch {st['batch']}, step {st['step']}", file=sys.stderr)
     use_bf16 = args.dtype == "bfloat16"
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
-    val_prompts = prompts["val"][:args.tau_prompts]
-    t_start = time.time()
-    for epoch in range(start_epoch, preset.epochs):
-        batches = make_batches_by_length(lengths, preset.batch_tokens, True, rng)
-        bar = tqdm(batches, desc=f"epoch {epoch + 1}/{preset.epochs}", unit="batch")
-        for batch in bar:
-            items = [data["train"][i] for i in batch]
+    def save():
+        save_state(state_file, {**st, "draft": draft.state_dict(), "opt": opt.state_dict(),
+                                "sched": sched.state_dict(), "torch_rng": torch.get_rng_state(),
+                                "preset": asdict(preset)})
+
+    def evaluate(epoch_done: bool):
+        """Validation record of the current step (once per step: an epoch's end may share it)."""
+        if st["history"] and st["history"][-1]["step"] == st["step"]:
+            st["history"][-1]["epoch_end"] = st["history"][-1]["epoch_end"] or epoch_done
+            return
+        since, st["last_eval"] = st["last_eval"], len(st["losses"])
+        record = {"step": st["step"], "epoch": round(st["epoch"] + st["batch"] / max(1, steps_per_epoch), 3),
+                  "epoch_end": epoch_done, "train_minutes": round(st["seconds"] / 60, 2),
+                  "train_loss": sum(st["losses"][since:]) / max(1, len(st["losses"]) - since)}
+        if eagle3:
+            val = validate3(draft, target, data["val"], preset, device, autocast, draft_index)
+            record.update(val_ce=val[:, 0].tolist(), val_acc=val[:, 1].tolist(), val_acc_in_vocab=val[:, 2].tolist())
+        else:
+            val = validate(draft, target, data["val"], preset, device, autocast)
+            record.update(val_smooth_l1=val[:, 0].tolist(), val_ce=val[:, 1].tolist(), val_acc=val[:, 2].tolist())
+        if tau_prompts:
+            draft.eval()
+            record["val_tau"] = measure_tau(target, draft, stop_ids, tau_prompts, preset.tau_max_tokens,
+                                            tree_depth=preset.tau_depth)
+            draft.train()
+        st["history"].append(record)
+        print(json.dumps(record), file=sys.stderr, flush=True)
+        tau = record.get("val_tau")
+        better = tau is not None and all(b is None or tau > b for b in (st["best_tau"], st["baseline_tau"]))
+        ship = better or (st["shipped_step"] is None and st["baseline_tau"] is None)
+        if ship:
+            st["best_tau"] = tau if better else st["best_tau"]
+            st["shipped_step"] = st["step"]
+        if on_eval is not None:
+            on_eval(draft, st, ship)
+
+    while st["epoch"] < preset.epochs:
+        rng.setstate(st["epoch_rng"])
+        batches = make_batches_by_length(lengths, preset.batch_tokens, True, rng, groups)
+        bar = tqdm(range(st["batch"], len(batches)), desc=f"epoch {st['epoch'] + 1}/{preset.epochs}", unit="batch",
+                   initial=st["batch"], total=len(batches), mininterval=30)
+        for b in bar:
+            t0 = time.time()
+            items = [data["train"][i] for i in batches[b]]
             with autocast():
                 if eagle3:
                     res = eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
@@ -718,25 +1062,28 @@ def train(target, tokenizer, data, prompts, preset: Preset, args, vocab=None):
             torch.nn.utils.clip_grad_value_(params, preset.grad_clip)
             opt.step()
             sched.step()
-            step += 1
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{r[-1].item():.2f}" for r in res),
-                            lr=f"{sched.get_last_lr()[0]:.1e}")
-        record = {"epoch": epoch + 1, "step": step, "minutes": (time.time() - t_start) / 60}
-        if eagle3:
-            val = validate3(draft, target, data["val"], preset, device, autocast, draft_index)
-            record.update(val_ce=val[:, 0].tolist(), val_acc=val[:, 1].tolist())
-        else:
-            val = validate(draft, target, data["val"], preset, device, autocast)
-            record.update(val_smooth_l1=val[:, 0].tolist(), val_ce=val[:, 1].tolist(), val_acc=val[:, 2].tolist())
-        if val_prompts:
-            draft.eval()
-            record["val_tau"] = measure_tau(target, draft, tokenizer, val_prompts, tree_depth=preset.tau_depth)
-            draft.train()
-        history.append(record)
-        print(json.dumps(record), file=sys.stderr)
-        torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "epoch": epoch + 1, "step": step, "history": history, "rng": rng.getstate()}, state_file)
-    return draft.eval(), history
+            st["step"], st["batch"] = st["step"] + 1, b + 1
+            st["losses"].append(loss.item())
+            st["seconds"] += time.time() - t0
+            acc = [float(r[2]) / max(1, float(r[3])) for r in res] if eagle3 else [r[-1].item() for r in res]
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in acc),
+                            lr=f"{sched.get_last_lr()[0]:.1e}", s_step=f"{time.time() - t0:.2f}", refresh=False)
+            if st["batch"] == len(batches):
+                break  # the epoch's end: validated below
+            evaluating = preset.eval_every and st["step"] % preset.eval_every == 0
+            if evaluating:
+                evaluate(False)
+            if evaluating or st["step"] % preset.save_every == 0 or st["step"] == args.max_steps:
+                save()
+            if st["step"] == args.max_steps:
+                return draft.eval(), st["history"], st
+        st["epoch"], st["batch"], st["epoch_rng"] = st["epoch"] + 1, 0, rng.getstate()
+        evaluate(True)
+        save_draft(draft, args.work_dir / f"epoch_{st['epoch']:02d}", dtype=torch.bfloat16)
+        save()
+        if st["step"] == args.max_steps:
+            break
+    return draft.eval(), st["history"], st
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,84 +1095,160 @@ def parse_args(argv=None):
                         "(three fused layers, a reduced vocabulary, training-time test)")
     p.add_argument("--preset", choices=sorted(PRESETS["eagle"]), default="smollm2-cpu")
     p.add_argument("--out_dir", type=Path, required=True, help="where the trained head is written")
-    p.add_argument("--work_dir", type=Path, default=None, help="data and resumable state (default: OUT_DIR.work)")
+    p.add_argument("--work_dir", type=Path, default=None,
+                   help="resumable state, cached features, per-epoch checkpoints (default: OUT_DIR.work)")
+    p.add_argument("--data_dir", type=Path, default=None,
+                   help="eagle3: the conversation shards, token ids, kept (default: WORK_DIR/conversations; "
+                        "data/<model> in the repository for a head that others continue)")
+    p.add_argument("--cache_dir", type=Path, default=None,
+                   help="eagle3: the teacher-forced features of the shards (default: WORK_DIR/features); runs on "
+                        "the same shards and target may share it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the training state saved in WORK_DIR (bit for bit); without a saved state, start")
+    p.add_argument("--max_steps", type=int, default=None,
+                   help="stop after this many optimizer steps in all (the state is saved: --resume continues)")
+    p.add_argument("--data_only", action="store_true", help="write the data (eagle3: the shards), then stop")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="target for data generation, and training autocast")
     p.add_argument("--fc_bias", action=argparse.BooleanOptionalAction, default=True,
                    help="a bias on fc (EAGLE's LLaMA-2/Vicuna heads have one, LLaMA-3 heads not)")
-    p.add_argument("--tau_prompts", type=int, default=6, help="validation prompts decoded for tau after each epoch")
+    p.add_argument("--warm_start", action=argparse.BooleanOptionalAction, default=True,
+                   help="eagle3: start the draft's LM head and final norm from the target's")
+    p.add_argument("--tau_prompts", type=int, default=6, help="validation prompts decoded for tau at each validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab_report", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
                    help="eagle3: draft vocabulary sizes whose coverage of held-out answers is reported")
     p.add_argument("--max_answer_batches", type=int, default=None,
-                   help="answer only the first N generation batches; trains on less data when time is short")
-    p.add_argument("--force", action="store_true", help="overwrite an existing head in OUT_DIR")
+                   help="eagle: answer only the first N generation batches; trains on less data when time is short")
+    p.add_argument("--force", action="store_true", help="replace an existing head in OUT_DIR (eagle3: only by a "
+                                                        "better one, by validation tau)")
     for name, field in Preset.__dataclass_fields__.items():  # every preset value can be overridden
-        p.add_argument(f"--{name}", type=type(field.default), default=None)
+        p.add_argument(f"--{name}", type=type(field.default), default=None, help="a Preset value (see the dataclass)")
     args = p.parse_args(argv)
     if not args.checkpoint_path.is_file():
         p.error(f"checkpoint not found: {args.checkpoint_path}")
     if (args.out_dir / "draft.safetensors").exists() and not args.force:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
     args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
+    args.data_dir = args.data_dir or args.work_dir / "conversations"
+    args.cache_dir = args.cache_dir or args.work_dir / "features"
+    if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
+        p.error(f"{args.work_dir} holds a training state: pass --resume to continue it, or delete "
+                f"{args.work_dir / 'train_state.pt'} to start over")
     preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
-    return args, Preset(**{**asdict(preset), **overrides})
+    preset = Preset(**{**asdict(preset), **overrides})
+    if preset.unroll < 1:
+        p.error(f"--unroll must be at least 1, got {preset.unroll}")
+    return args, preset
+
+
+def eagle3_data(target, tokenizer, preset: Preset, args):
+    """Stages 1-2 of EAGLE-3: shards up to n_shards, their features, the training records, the draft
+    vocabulary and what the training record says about them. The shards a training state was
+    started on are kept when resuming (a later session may have written more)."""
+    layer_ids = eagle3_layer_ids(target.config.n_layer)
+    make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
+    used = args.work_dir / "train_data.json"
+    if args.resume and used.is_file() and (args.work_dir / "train_state.pt").is_file():
+        shards = json.loads(used.read_text())["shards"]
+    else:
+        shards = [f"conv_{n:05d}.npz" for n in range(preset.n_shards)]
+    data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, preset.keep_top, shards)
+    if not data["train"] or not data["val"]:
+        raise SystemExit(f"no {'training' if not data['train'] else 'validation'} conversations in {args.data_dir}: "
+                         f"raise --n_shards or --val_fraction")
+    V = target.config.vocab_size
+    counts = token_counts(data["train"], V)
+    sizes = sorted(s for s in set(args.vocab_report) | {preset.draft_vocab_size} if s <= V)
+    coverage = {str(s): vocab_coverage(data["val"], choose_vocab(counts, s), V) for s in sizes}
+    print("draft vocabulary coverage of held-out target argmax tokens: "
+          + ", ".join(f"{k}: {v:.2%}" for k, v in coverage.items()), file=sys.stderr)
+    train = data["train"]
+    info = {"data_dir": str(args.data_dir), "shards": shards, "train_conversations": len(train),
+            "val_conversations": len(data["val"]), "train_tokens": sum(len(r["ids"]) for r in train),
+            "train_answer_tokens": int(sum(np.asarray(r["learn"]).sum() for r in train)),
+            "two_turn_conversations": sum(r["turns"] == 2 for r in train),
+            "draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
+            "coverage_of_val_argmax": coverage}
+    used.parent.mkdir(parents=True, exist_ok=True)
+    used.write_text(json.dumps({"shards": shards}))
+    return data, choose_vocab(counts, preset.draft_vocab_size), info
 
 
 def main(argv=None):
     args, preset = parse_args(argv)
     t0 = time.time()
-    data_dir = args.work_dir / ("data3" if args.arch == "eagle3" else "data")
-    data_dir.mkdir(parents=True, exist_ok=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
     target = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype))
     for p in target.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    eagle3 = args.arch == "eagle3"
 
-    prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
-    times = {"data_minutes": None}
-    vocab, info_vocab = None, {}
-    if args.arch == "eagle3":
-        layer_ids = eagle3_layer_ids(target.config.n_layer)
-        make_conversations(target, tokenizer, preset, prompts, data_dir, args.seed, layer_ids, args.max_answer_batches)
-        data = load_conversations(data_dir)
-        n_tokens = sum(len(r["ids"]) for r in data["train"])
-        counts = token_counts(data["train"], target.config.vocab_size)
-        coverage = {size: vocab_coverage(data["val"], choose_vocab(counts, size), target.config.vocab_size)
-                    for size in sorted(set(args.vocab_report) | {preset.draft_vocab_size})
-                    if size <= target.config.vocab_size}
-        vocab = choose_vocab(counts, preset.draft_vocab_size)
-        info_vocab = {"draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
-                      "coverage_of_val_argmax": {str(k): v for k, v in coverage.items()},
-                      "two_turn_conversations": sum(int((r["learn"][1:] & ~r["learn"][:-1]).sum()) > 1
-                                                    for r in data["train"])}
-        print("draft vocabulary coverage of held-out target argmax tokens: "
-              + ", ".join(f"{k}: {v:.2%}" for k, v in coverage.items()), file=sys.stderr)
+    if eagle3:
+        if args.data_only:
+            make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
+            return
+        data, vocab, info_data = eagle3_data(target, tokenizer, preset, args)
+        tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     else:
+        prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
+        data_dir = args.work_dir / "data"
+        data_dir.mkdir(parents=True, exist_ok=True)
         make_shards(target, tokenizer, preset, prompts, data_dir, args.seed, args.max_answer_batches)
-        data = load_shards(data_dir)
-        n_tokens = sum(len(ids) for ids, _, _ in data["train"])
-    times["data_minutes"] = (time.time() - t0) / 60
-    print(f"data: {len(data['train'])} train / {len(data['val'])} val conversations, {n_tokens} train tokens, "
-          f"{times['data_minutes']:.1f} min so far", file=sys.stderr)
+        if args.data_only:
+            return
+        data, vocab = load_shards(data_dir), None
+        info_data = {"train_conversations": len(data["train"]), "val_conversations": len(data["val"]),
+                     "train_tokens": sum(len(ids) for ids, _, _ in data["train"]),
+                     "prompt_samples": prompts.get("attempts")}
+        tau_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                       for text in prompts["val"][:args.tau_prompts]]
+    data_minutes = (time.time() - t0) / 60
+    print(f"data: {info_data['train_conversations']} train / {info_data['val_conversations']} val conversations, "
+          f"{info_data['train_tokens']} train tokens, {data_minutes:.1f} min so far", file=sys.stderr)
     target.max_seq_length = -1  # generation's caches are no longer needed
     target.kv_storage = None
     for layer in target.layers:
         layer.attention.kv_cache = None
 
-    draft, history = train(target, tokenizer, data, prompts, preset, args, vocab)
-    save_draft(draft, args.out_dir, dtype=torch.bfloat16)
-    info = {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
-            "target": str(args.checkpoint_path), "device": args.device, "dtype": args.dtype,
-            "hardware": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "data": {"train_conversations": len(data["train"]), "val_conversations": len(data["val"]),
-                     "train_tokens": n_tokens, "prompt_samples": prompts.get("attempts"), **info_vocab},
-            "hours": (time.time() - t0) / 3600, **times, "history": history}
-    (args.out_dir / "training.json").write_text(json.dumps(info, indent=1))
-    print(f"wrote {args.out_dir} in {info['hours']:.2f} h", file=sys.stderr)
+    baseline_tau = None
+    if eagle3 and (args.out_dir / "draft.safetensors").exists() and not (args.work_dir / "train_state.pt").is_file():
+        # The head already there is what a new one must beat, on the same prompts.
+        shipped = load_draft(args.out_dir, target.config, args.device, torch.float32)
+        baseline_tau = measure_tau(target, shipped, tokenizer.stop_ids, tau_prompts, preset.tau_max_tokens,
+                                   tree_depth=preset.tau_depth)
+        print(f"the head in {args.out_dir}: validation tau {baseline_tau}", file=sys.stderr)
+
+    def record(st):
+        curve = [sum(st["losses"][i:i + 25]) / len(st["losses"][i:i + 25]) for i in range(0, len(st["losses"]), 25)]
+        return {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
+                "warm_start": args.warm_start if eagle3 else None, "target": str(args.checkpoint_path),
+                "device": args.device, "dtype": args.dtype, "hardware": platform.processor() or platform.machine(),
+                "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "data": info_data,
+                "steps": st["step"], "shipped_step": st["shipped_step"], "baseline_tau": st["baseline_tau"],
+                "train_minutes": st["seconds"] / 60, "data_minutes_this_run": data_minutes,
+                "train_loss_per_25_steps": curve, "history": st["history"]}
+
+    def on_eval(draft, st, ship):
+        (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
+        if eagle3 and ship:
+            save_draft(draft, args.out_dir, dtype=torch.bfloat16)
+            (args.out_dir / "training.json").write_text(json.dumps(record(st), indent=1))
+            print(f"step {st['step']}: wrote {args.out_dir} (validation tau {st['history'][-1].get('val_tau')})",
+                  file=sys.stderr, flush=True)
+
+    draft, history, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
+                               baseline_tau)
+    (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
+    if not eagle3:
+        save_draft(draft, args.out_dir, dtype=torch.bfloat16)
+    if not eagle3 or st["shipped_step"] is not None:
+        (args.out_dir / "training.json").write_text(json.dumps(record(st), indent=1))
+    print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps, head of step {st['shipped_step']} in "
+          f"{args.out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import copy
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,22 +14,45 @@ import speculative
 import train_eagle as te
 from checkpoint import load_draft
 from conftest import random_draft, tiny_target
+from draft import Eagle3Draft, draft_config_for
 from tokenizer import load_tokenizer
 
 
 @torch.no_grad()
 def test_generate_batch_rows_of_different_lengths_equal_single_runs():
+    """Right-padded rows with their own positions, rows leaving the batch once they stop, one
+    greedy and one sampled temperature per row: each row's ids equal a single-row run's."""
     model = tiny_target("tiny-llama", seed=3)
-    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 2)]
-    stop = {17}
-    rows = te.generate_batch(model, prompts, 20, 0.0, None, stop, chunk=4)
-    for prompt, row in zip(prompts, rows):
-        ids, feats = row["ids"], row["features"]
-        single = gen.generate(model, torch.tensor([prompt]), 20, stop_ids=stop)[0]
-        assert ids == prompt + single
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 9, 2, 7, 3, 4)]
+    model.setup_caches(1, 64)
+    free = [gen.generate(model, torch.tensor([p]), 24)[0] for p in prompts]
+    stop = {free[0][2], free[1][9], free[3][12]}  # rows stop at different steps: the batch shrinks
+    rows = te.generate_batch(model, prompts, 24, [0.0] * 5 + [1.0], None, stop, chunk=4)
+    assert sum(len(r) - len(p) < 24 for r, p in zip(rows, prompts)) >= 2
+    for prompt, row in zip(prompts[:5], rows):
+        model.setup_caches(1, 64)
+        assert row == prompt + gen.generate(model, torch.tensor([prompt]), 24, stop_ids=stop)[0]
+    assert rows[5][:len(prompts[5])] == prompts[5] and len(rows[5]) > len(prompts[5])
+
+
+@torch.no_grad()
+def test_target_features_equal_a_forward_of_each_sequence():
+    """Teacher-forced features of sequences batched with padding equal each sequence's own forward:
+    the final feature, or the three layers' inputs and the top next tokens (EAGLE-3)."""
+    model = tiny_target("tiny-llama", seed=3, n_layer=4)
+    seqs = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 9)]
+    final = te.target_features(model, seqs, max_tokens=40)  # two forwards: 9 + 5 padded to 9, then 17
+    fused = te.target_features(model, seqs, layer_ids=(0, 2, 3), keep_top=4)
+    for ids, f, g in zip(seqs, final, fused):
         model.setup_caches(1, len(ids))
-        _, expected, _ = model(torch.tensor([ids]), torch.arange(len(ids)), return_features=True)
-        torch.testing.assert_close(feats.float(), expected[0], atol=2e-3, rtol=2e-3)  # stored as float16
+        logits, expected, layers = model(torch.tensor([ids]), torch.arange(len(ids)), return_features=True,
+                                         layer_ids=(0, 2, 3))
+        torch.testing.assert_close(f["features"].float(), expected[0], atol=2e-3, rtol=2e-3)  # float16
+        torch.testing.assert_close(g["features"].float(), torch.cat(layers, -1)[0], atol=2e-3, rtol=2e-3)
+        top = torch.softmax(logits[0], -1).topk(4)
+        assert torch.equal(g["top_ids"], top.indices)
+        torch.testing.assert_close(g["top_probs"].float(), top.values, atol=1e-3, rtol=1e-3)
 
 
 def test_user_turn_prefix_and_prompt_filter(smollm2_checkpoint):
@@ -89,8 +113,9 @@ def synthetic_data(target, n_conv, seed):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 512, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n_conv)]
-    rows = te.generate_batch(target, prompts, 40, 0.0, None, set())
-    return [(torch.tensor(r["ids"]), r["features"], len(p)) for r, p in zip(rows, prompts)]
+    seqs = te.generate_batch(target, prompts, 40, 0.0, None, set())
+    feats = te.target_features(target, seqs)
+    return [(torch.tensor(s), f["features"], len(p)) for s, f, p in zip(seqs, feats, prompts)]
 
 
 def test_training_lowers_the_loss_and_raises_tau():
@@ -155,51 +180,226 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypat
         te.main(argv)  # the head exists: no overwrite without --force
     shards = sorted((tmp_path / "head.work" / "data").glob("shard_*.pt"))
     stamp = [s.stat().st_mtime for s in shards]
-    te.main(argv + ["--force"])
+    with pytest.raises(SystemExit):
+        te.main(argv + ["--force"])  # a training state exists: continue it (--resume) or delete it
+    te.main(argv + ["--force", "--resume"])
     assert [s.stat().st_mtime for s in shards] == stamp  # data reused, not regenerated
 
 
 # ---------------------------------------------------------------------------------------------
 # EAGLE-3
 # ---------------------------------------------------------------------------------------------
-def test_eagle3_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypatch):
-    """--arch eagle3: two-turn conversations with the three layers' inputs and the target's top
-    tokens, a reduced vocabulary with its coverage, training that lowers the soft cross-entropy,
-    and a head that loads as an Eagle3Draft and decodes exactly as vanilla."""
+def tiny_eagle3_checkpoint(tiny_hf_checkpoint):
+    """A tiny random qwen2 checkpoint whose target ends its turns now and then (a stronger stop
+    token row in its tied embedding / LM head), so that conversations have second turns."""
     from convert_hf_checkpoint import convert_hf
-    from draft import Eagle3Draft
 
     model_path = convert_hf(tiny_hf_checkpoint("qwen2"), dtype="float32")
     state = torch.load(model_path)
     stop = load_tokenizer(model_path.parent).stop_ids[0]
-    state["tok_embeddings.weight"][stop] *= 4  # (tied LM head) a random model that ends its turns now and then
+    state["tok_embeddings.weight"][stop] *= 4
     torch.save(state, model_path)
+    return model_path
+
+
+def eagle3_argv(model_path, out, *extra):
+    return ["--arch", "eagle3", "--checkpoint_path", str(model_path), "--preset", "tiny", "--out_dir", str(out),
+            "--dtype", "float32", "--prompt_max_tokens", "64", "--multi_turn_fraction", "1.0",
+            "--answer_max_tokens", "64", *extra]
+
+
+def test_eagle3_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """--arch eagle3: two-turn conversations kept as token ids, their features recomputed by a
+    teacher-forced forward, a reduced vocabulary with its coverage, training that lowers the soft
+    cross-entropy, and a head that loads as an Eagle3Draft and decodes exactly as vanilla."""
+    from draft import Eagle3Draft
+
+    model_path = tiny_eagle3_checkpoint(tiny_hf_checkpoint)
     monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()))
     out = tmp_path / "head3"
-    argv = ["--arch", "eagle3", "--checkpoint_path", str(model_path), "--preset", "tiny", "--out_dir", str(out),
-            "--dtype", "float32", "--tau_prompts", "1", "--prompt_max_tokens", "64", "--multi_turn_fraction", "1.0",
-            "--epochs", "3", "--vocab_report", "64", "128", "--answer_max_tokens", "64"]
+    argv = eagle3_argv(model_path, out, "--tau_prompts", "1", "--epochs", "3", "--vocab_report", "64", "128")
     te.main(argv)
     info = json.loads((out / "training.json").read_text())
     assert info["arch"] == "eagle3" and info["data"]["two_turn_conversations"] > 0
+    assert info["data"]["shards"] == ["conv_00000.npz", "conv_00001.npz", "conv_00002.npz"]
     assert set(info["data"]["coverage_of_val_argmax"]) == {"64", "128", "256"}
     coverage = [info["data"]["coverage_of_val_argmax"][k] for k in ("64", "128", "256")]
     assert coverage == sorted(coverage) and 0 < coverage[-1] <= 1  # a bigger vocabulary covers more
-    ce = [h["val_ce"][0] for h in info["history"]]
-    assert ce[-1] < ce[0]
-    records = [r for shard in sorted((tmp_path / "head3.work" / "data3").glob("conv_*.pt"))
-               for r in torch.load(shard, weights_only=True)["records"]]
+    epochs = [h for h in info["history"] if h["epoch_end"]]
+    assert len(epochs) == 3 and epochs[-1]["val_ce"][0] < epochs[0]["val_ce"][0]
+    assert all(0 <= a <= b <= 1 for h in epochs for a, b in zip(h["val_acc"], h["val_acc_in_vocab"]))
+    assert info["shipped_step"] is not None and info["steps"] == epochs[-1]["step"]
+    assert all((tmp_path / "head3.work" / f"epoch_{e:02d}" / "draft.safetensors").is_file() for e in (1, 2, 3))
     target = checkpoint.load_model(model_path, "cpu", torch.float32)
-    r = records[0]
-    assert r["features"].shape == (len(r["ids"]), 3 * target.config.dim) and r["top_ids"].shape == (len(r["ids"]), 8)
+    work = tmp_path / "head3.work"
+    convs = te.load_conversation_shard(work / "conversations" / "conv_00000.npz")
+    feats = np.load(work / "features" / "conv_00000.features.npy")
+    assert feats.shape == (sum(len(c["ids"]) for c in convs), 3 * target.config.dim)
+    assert np.load(work / "features" / "conv_00000.top_ids.npy").shape == (feats.shape[0], 8)
     head = load_draft(out, target.config)
     assert isinstance(head, Eagle3Draft) and head.draft_vocab_size == 256
     assert head.vocab.dtype == torch.long and torch.equal(head.vocab, head.vocab.sort().values)
     spec = speculative.Speculator(target, head, tree_top_k=4, tree_depth=4, tree_tokens=16)
-    prompt = r["ids"][None, :6].long()
+    prompt = torch.tensor([convs[0]["ids"][:6]])
     ids, _ = speculative.speculative_generate(spec, prompt, 24)
     target.setup_caches(1, 64)
     assert ids == gen.generate(target, prompt, 24)
+
+
+def test_eagle3_resume_continues_bit_for_bit(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """A run stopped after a few steps (--max_steps) and continued with --resume computes the same
+    losses, step for step, and ends with the same head as a run that was never stopped; features
+    missing from the work dir are recomputed from the kept shards."""
+    model_path = tiny_eagle3_checkpoint(tiny_hf_checkpoint)
+    monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()))
+    data = tmp_path / "data"
+    common = ["--data_dir", str(data), "--tau_prompts", "0", "--epochs", "2", "--save_every", "4"]
+    te.main(eagle3_argv(model_path, tmp_path / "whole", *common))
+    whole = torch.load(tmp_path / "whole.work" / "train_state.pt", weights_only=False)
+    steps = whole["step"]
+    assert steps > 8 and len(whole["losses"]) == steps
+
+    argv = eagle3_argv(model_path, tmp_path / "parts", *common)
+    te.main(argv + ["--max_steps", "7"])  # stops mid-epoch, between two periodic saves
+    part = torch.load(tmp_path / "parts.work" / "train_state.pt", weights_only=False)
+    assert part["step"] == 7 and part["losses"] == whole["losses"][:7]
+    with pytest.raises(SystemExit):
+        te.main(argv + ["--force"])  # a saved state: no silent restart
+    te.main(argv + ["--force", "--resume"])
+    resumed = torch.load(tmp_path / "parts.work" / "train_state.pt", weights_only=False)
+    assert resumed["losses"] == whole["losses"]  # bit for bit, the first step after the stop included
+    for name, value in whole["draft"].items():
+        assert torch.equal(resumed["draft"][name], value), name
+
+    # A fresh machine: the shards are kept (in git), the work dir is not: features are recomputed.
+    te.main(eagle3_argv(model_path, tmp_path / "fresh", *common, "--max_steps", "3"))
+    fresh = torch.load(tmp_path / "fresh.work" / "train_state.pt", weights_only=False)
+    assert fresh["losses"] == whole["losses"][:3]
+
+
+def test_conversation_shards_round_trip(tmp_path):
+    """Token ids (uint16), assistant masks (bit-packed) and per-conversation fields come back as
+    saved; ids that do not fit uint16 are refused."""
+    rng = random.Random(0)
+    convs = [{"ids": [rng.randrange(65536) for _ in range(n)], "assistant": [rng.random() < 0.5 for _ in range(n)],
+              "split": rng.choice(["train", "val"]), "temperature": rng.choice([0.0, 1.0]),
+              "category": rng.choice(te.CATEGORIES), "turns": rng.choice([1, 2])} for n in (1, 7, 300, 13)]
+    path = tmp_path / "conv_00000.npz"
+    te.save_conversations(path, convs, {"seed": 0})
+    assert te.load_conversation_shard(path) == convs
+    assert not list(tmp_path.glob("*.tmp*"))
+    with pytest.raises(ValueError, match="uint16"):
+        te.save_conversations(tmp_path / "bad.npz", [{**convs[0], "ids": [65536]}], {})
+
+
+def test_assistant_mask_marks_every_answer(smollm2_checkpoint):
+    """The tokens learned are those of each assistant answer, its stop token included, in a
+    two-turn chat as the template encodes it."""
+    tokenizer = load_tokenizer(smollm2_checkpoint)
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Make it shorter."}]
+    prompt = tokenizer.apply_chat_template(messages)
+    answer2 = tokenizer.encode("Red.", bos=False) + [tokenizer.stop_ids[-1]]
+    ids = prompt + answer2
+    mask = te.assistant_mask(ids, te.assistant_header(tokenizer), set(tokenizer.stop_ids))
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]).replace("<|im_end|>", "|") == "Blue.|Red.|"
+    assert sum(mask) == len(tokenizer.encode("Blue.", bos=False)) + 1 + len(answer2)
+    assert mask[-len(answer2):] == [True] * len(answer2) and not mask[-len(answer2) - 1]
+
+
+def test_make_batches_keeps_groups_apart():
+    lengths = [10, 30, 12, 50, 11, 40]
+    turns = [1, 2, 1, 2, 1, 2]
+    batches = te.make_batches_by_length(lengths, 100, False, random.Random(0), turns)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(len({turns[i] for i in b}) == 1 for b in batches)
+    assert all(max(lengths[i] for i in b) * len(b) <= 100 for b in batches)
+
+
+def random_eagle3_draft(target, vocab, std=0.2, seed=1):
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(draft_config_for(target.config), len(vocab), (0, 1, 1)).eval()
+    draft.vocab.copy_(vocab)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, std)
+    return draft
+
+
+@torch.no_grad()
+def test_eagle3_unroll_equals_the_draft_as_a_chain():
+    """The training graph is inference: step k of the training-time test at index t equals the
+    draft run through its KV cache on the true entries 0 .. t, then fed its own output k times,
+    one token at a time (a depth-k tree chain), in float32."""
+    target = tiny_target("tiny-llama", seed=4)
+    vocab = torch.arange(0, 512, 3)
+    draft = random_eagle3_draft(target, vocab)
+    n, unroll = 12, 4
+    ids = torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(0))
+    feats = torch.randn(2, n, 3 * 64, generator=torch.Generator().manual_seed(1))
+    te.setup_for_training(draft, n + unroll)
+    outs = te.eagle3_unroll(draft, target.tok_embeddings, ids, feats, unroll)
+    assert len(outs) == unroll
+    embed = target.tok_embeddings
+    for b in range(2):
+        for t in range(n - 1):
+            ref = copy.deepcopy(draft)
+            ref.max_seq_length = -1
+            ref.setup_caches(1, n + unroll)
+            h = ref(embed(ids[b:b + 1, 1:t + 2]), feats[b:b + 1, :t + 1], torch.arange(t + 1))[:, -1:]
+            for k in range(unroll):
+                if t + k + 1 >= n:
+                    break
+                if k:  # the next chain entry: token t + k + 1 at position t + k, fed the last output
+                    h = ref(embed(ids[b:b + 1, t + k + 1:t + k + 2]), h, torch.tensor([t + k]))
+                scale = max(1.0, float(h.abs().max()))  # float32 rounding grows with the values
+                torch.testing.assert_close(outs[k][b, t], h[0, 0], atol=3e-5 * scale, rtol=1e-4)
+                # and the logits the loss reads are the draft's inference log-probabilities
+                torch.testing.assert_close(torch.log_softmax(draft.lm_head(draft.norm(outs[k][b, t])), -1),
+                                           ref.log_probs(h)[0, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_eagle3_losses_count_out_of_vocabulary_targets_as_misses():
+    """Accuracy counts every answer position, a target token outside the draft vocabulary as a
+    miss; the loss is only over positions whose target the draft can say."""
+    target = tiny_target("tiny-llama", seed=4)
+    vocab = torch.arange(0, 512, 2)  # even ids only
+    draft = random_eagle3_draft(target, vocab, std=0.05)
+    index = torch.full((512,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    n = 10
+    g = torch.Generator().manual_seed(0)
+    top = torch.randint(0, 256, (n, 4), generator=g) * 2
+    top[::3, 0] += 1  # every third target argmax is odd: outside the vocabulary
+    item = {"ids": np.arange(n) * 2, "learn": np.array([False] + [True] * (n - 1)),
+            "features": np.random.default_rng(0).standard_normal((n, 192)).astype(np.float16),
+            "top_ids": top.numpy(), "top_probs": np.full((n, 4), 0.25, dtype=np.float16)}
+    ids, feats, top_idx, top_p, learn, answer = te.collate3([item], "cpu", index)
+    assert int(answer.sum()) == n - 1 and int(learn.sum()) == n - 1 - len(range(3, n, 3))
+    te.setup_for_training(draft, n + 2)
+    res = te.eagle3_losses(draft, target.tok_embeddings, ids, feats, top_idx, top_p, learn, answer,
+                           te.Preset(unroll=2))
+    for k, (loss, ce_sum, hits, n_sel, n_answer) in enumerate(res):
+        assert int(n_answer) == int(answer[0, k + 1:].sum()) and int(n_sel) == int(learn[0, k + 1:].sum())
+        assert torch.isfinite(loss) and 0 <= int(hits) <= int(n_sel) < int(n_answer)
+
+
+def test_warm_start_copies_the_target_rows():
+    """The draft's LM head starts as exactly the target's output rows named by the vocabulary map
+    (row i = target token vocab[i]), its final norm as the target's."""
+    target = tiny_target("tiny-llama", seed=6)
+    with torch.no_grad():
+        target.norm.weight.normal_()
+    vocab = torch.tensor([3, 17, 18, 100, 511])
+    draft = random_eagle3_draft(target, vocab)
+    te.warm_start(draft, target)
+    for i, t in enumerate(vocab.tolist()):
+        assert torch.equal(draft.lm_head.weight[i], target.output.weight[t])
+    assert torch.equal(draft.norm.weight, target.norm.weight)
+    hidden = torch.randn(1, 2, 64)  # so the draft's logits are the target head's, on the vocabulary
+    torch.testing.assert_close(draft.log_probs(hidden).exp().sum(-1), torch.ones(1, 2))
+    torch.testing.assert_close(draft.lm_head(draft.norm(hidden)), target.output(target.norm(hidden))[..., vocab])
 
 
 def test_prompt_stage_resumes_where_it_stopped(tiny_hf_checkpoint, tmp_path, monkeypatch):
