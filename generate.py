@@ -28,8 +28,8 @@ from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
 from model import Transformer, pack_linears, set_attention_backend
 from sampling import all_stopped, cut_at_stop, sample
-from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_round, device_sync, file_key, machine_key,
-                         speculative_generate)
+from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
+                         machine_key, speculative_generate)
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
 
@@ -107,19 +107,21 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
-def compile_decoding(device: str, compile_prefill: bool):
-    """The decode step becomes one graph of static shapes; on CUDA it replays as a CUDA graph
+def compile_decoding(device: str, compile_prefill: bool, model: Transformer):
+    """The decode step becomes one graph of static shapes. On CUDA it replays as a CUDA graph
     ("triton.cudagraphs", all that mode="reduce-overhead" sets: torch.compile takes a mode or
-    options, not both). gpt-fast's settings for it: coordinate-descent tuning on CUDA (a small
-    graph, tuned once) and the FX graph cache. The prompt length varies, so prefill is compiled
-    with dynamic shapes and no CUDA graphs. Settings are per function, not global, so that a
-    speculative round compiled in the same process keeps its own (speculative.ROUND_OPTIONS)."""
+    options, not both), with gpt-fast's settings: coordinate-descent tuning (a small graph, tuned
+    once) and the FX graph cache. On a CPU it compiles with Inductor's CPU-inference settings
+    (speculative.cpu_backend: frozen weights, C++ GEMM templates, cached on disk by the weights of
+    model). The prompt length varies, so prefill is compiled with dynamic shapes and no CUDA
+    graphs. Settings are per function, not global, so that a speculative round compiled in the
+    same process keeps its own (speculative.ROUND_OPTIONS)."""
     global decode_one_token, prefill
-    decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False, options={
+    decode_one_token = compile_function(decode_one_token, device, (model,), options={
         "triton.cudagraphs": True, "coordinate_descent_tuning": device.startswith("cuda") and not tp.active(),
         "fx_graph_cache": True})
     if compile_prefill:
-        prefill = torch.compile(prefill, fullgraph=True, dynamic=True, options={"fx_graph_cache": True})
+        prefill = compile_function(prefill, device, (model,), dynamic=True, options={"fx_graph_cache": True})
     set_tensor_parallel_flags()
 
 
@@ -291,7 +293,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         if args.compile:
-            compile_decoding(args.device, args.compile_prefill)
+            compile_decoding(args.device, args.compile_prefill, model)
 
         def decode(prompt_ids, max_new_tokens, callback=None):
             prompt = torch.tensor([prompt_ids], device=args.device)

@@ -176,14 +176,27 @@ class KVCache(nn.Module):
         return self.k_cache[:k.size(0)], self.v_cache[:k.size(0)]
 
 
-def copy_slots(kv_storage: Tensor, src: Tensor, dst: Tensor):
+def copy_slots(model: "Transformer", src: Tensor, dst: Tensor):
     """Copy row b's entries in slots src[b] to slots dst[b] (both [B, n]), keys and values of every
-    layer of kv_storage [n_layer, 2, B, H, S, D] (Transformer.kv_storage): one gather and one
-    scatter for the whole model, where a loop over the layers' caches would launch four small
-    kernels per layer (128 for a 7B). All reads happen before any write, so the two may overlap.
-    Speculative decoding moves accepted tree nodes down to the end of the prefix with this."""
+    layer. All reads happen before any write, so sources and destinations may overlap. Speculative
+    decoding moves accepted tree nodes down to the end of the prefix with this.
+
+    Eager, one gather and one scatter over model.kv_storage [n_layer, 2, B, H, S, D] move every
+    layer at once, where a loop over the layers would launch four small kernels per layer (128
+    for a 7B). Inside a compiled graph the copy goes through each layer's own cache views instead,
+    and Inductor fuses the loop: a graph that mutated kv_storage as well as the views that overlap
+    it would take them as aliased inputs, which AOTAutograd merges into one synthetic base; the
+    inputs then lose their static marks (no CUDA graph), the whole storage is copied every call,
+    and freezing maps parameters to the wrong inputs."""
     rows = torch.arange(src.size(0), device=src.device)[:, None]
-    kv_storage[:, :, rows, :, dst] = kv_storage[:, :, rows, :, src]
+    if not torch.compiler.is_compiling():
+        model.kv_storage[:, :, rows, :, dst] = model.kv_storage[:, :, rows, :, src]
+        return
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        k, v = cache.k_cache[rows, :, src], cache.v_cache[rows, :, src]
+        cache.k_cache[rows, :, dst] = k
+        cache.v_cache[rows, :, dst] = v
 
 
 class TreeMask(NamedTuple):
@@ -376,14 +389,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
             k, v = torch.cat([k[:, :, :P], k[:, :, S - R:]], dim=2), torch.cat([v[:, :, :P], v[:, :, S - R:]], dim=2)
             S = P + R
         mask = tree_attention_mask(mask.visible, mask.prefix_len, S)
-    if q.device.type == "cpu" and q.dtype != torch.float32:
+    if q.device.type == "cpu" and q.dtype != torch.float32 and not torch.compiler.is_compiling():
         return _matmul_attention(q, k, v, mask)
+    # Compiled, SDPA stays ATen's flash-attention kernel for the CPU. The matmul form would not:
+    # max-autotune gives its q @ k^T to the AMX GEMM template, which then repacks the whole K
+    # cache into the template's layout on every call (measured: 154 us a layer, a third of a step).
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Attention as two matmuls and a float32 softmax, for bf16/fp16 on CPU, where SDPA with a mask
-    is 5-15x slower (torch 2.13, AVX512). The H // KV query heads that share a KV head are stacked
+    """Attention as two matmuls and a float32 softmax, for bf16/fp16 in eager mode on CPU, where SDPA
+    with a mask is 5-15x slower (torch 2.13, AVX512). The H // KV query heads that share a KV head are stacked
     as rows of one matmul, so K/V are not repeated."""
     B, H, T, D = q.shape
     KV = k.size(1)

@@ -221,7 +221,7 @@ class Speculator(nn.Module):
         B, device = node.size(0), node.device
         path = tree.paths[torch.arange(B, device=device), node]
         region_start = self.target.max_seq_length - self.n_nodes
-        copy_slots(self.target.kv_storage, region_start + path.clamp(min=0),
+        copy_slots(self.target, region_start + path.clamp(min=0),
                    self.prefix_len[:, None] + torch.arange(self.depth + 1, device=device))
         return path
 
@@ -534,20 +534,98 @@ def cuda_graph(fn: Callable[[], None]) -> Callable[[], None]:
     return graph.replay
 
 
-# Inductor settings of a round, given as options because torch.compile takes a mode or options,
-# not both. "triton.cudagraphs" is all that mode="reduce-overhead" sets (torch._inductor.
-# list_mode_options): on CUDA the round replays as one CUDA graph. Coordinate-descent tuning, which
-# generate.compile_decoding keeps for the small one-token step as gpt-fast does, is off: it tunes
-# every kernel of a ~1-2k-node round, and compile time explodes. The FX graph cache lets a second
-# process (another method, a rerun) load a round it has compiled before.
+# ---------------------------------------------------------------------------------------------
+# Compiling. On CUDA, Inductor with per-function options: "triton.cudagraphs" is all that
+# mode="reduce-overhead" sets (torch._inductor.list_mode_options), so a round or a decode step
+# replays as one CUDA graph. On a CPU, a backend of our own (cpu_backend) applies the settings
+# of CPU inference while a graph compiles.
+# ---------------------------------------------------------------------------------------------
+# Coordinate-descent tuning, which generate.compile_decoding keeps for the small one-token step as
+# gpt-fast does, is off for a round: it tunes every kernel of a ~1-2k-node graph, and compile time
+# explodes. The FX graph cache lets a second process (another method, a rerun) load a graph it has
+# compiled before.
 ROUND_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": False, "fx_graph_cache": True}
 PREFILL_OPTIONS = {"coordinate_descent_tuning": False, "fx_graph_cache": True}
 
+# Inductor's settings for inference on a CPU, measured on a 2-core Sapphire Rapids (AMX), SmolLM2-135M,
+# one bf16 decode step: 25 ms compiled by default, 13-15 ms with these (eager: 29 ms).
+#   freezing      weights become constants of the graph, which the C++ GEMM templates need
+#   max_autotune  C++ GEMM templates (AMX / AVX-512 micro-kernels, weights packed once at compile
+#                 time) timed against ATen's kernel for every GEMM shape; they win the small-M
+#                 GEMMs of decoding at about the machine's read bandwidth
+# Dynamo reads the freezing flag while it traces (a module's parameters then become static inputs
+# that Inductor may fold into the graph), so it is set around every call of a compiled function
+# (frozen(): 13 us a call) and the rest around Inductor's compile_fx (cpu_backend): as a
+# per-function option of torch.compile it would be read too late to act.
+CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                "coordinate_descent_tuning": False, "fx_graph_cache": True}
+
+
+def weights_digest(*modules: nn.Module) -> str:
+    """A digest of the modules' weights (their state dicts: parameters, quantized weights, scales).
+
+    cpu_backend tags Inductor's cache key with it: the key covers frozen weights by shape only,
+    while the GEMM templates' packed copies of them are stored in the cache entry, so another
+    checkpoint of the same shapes would silently run on the first one's weights (measured). About
+    1 GB/s: 0.3 s for SmolLM2-135M in bf16."""
+    h = hashlib.blake2b(digest_size=16)
+    seen = set()
+    for module in modules:
+        for name, t in module.state_dict().items():
+            if t.data_ptr() in seen:  # a tied weight, once
+                continue
+            seen.add(t.data_ptr())
+            h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def cpu_backend(*modules: nn.Module):
+    """A torch.compile backend for the modules' graphs on a CPU: Inductor with CPU_INDUCTOR, its
+    cache keyed by the modules' weights (weights_digest), and oneDNN disabled while compiling.
+
+    Why oneDNN is off during compilation (only then: the compiled code runs with it): freezing's
+    weight pre-packing turns weights into oneDNN tensors for the case that ATen's kernel wins, and
+    a graph holding them cannot be pickled, so Inductor skips its cache and every process
+    recompiles (45-85 s for a decode step here). Without that pass the C++ templates still serve
+    every linear, at the same speed (they pack their own weights into plain tensors), and a second
+    process loads the compiled step from the cache in ~11 s. The pass is registered once per
+    process, on the first frozen compile, so every frozen compile must come through here."""
+    from torch._inductor.compile_fx import compile_fx
+    tag = weights_digest(*modules)
+
+    def backend(gm, example_inputs):
+        with torch._inductor.config.patch(CPU_INDUCTOR), torch.compiler.config.patch(cache_key_tag=tag), \
+                torch.backends.mkldnn.flags(enabled=False):
+            return compile_fx(gm, example_inputs)
+    return backend
+
+
+def compile_function(fn, device, modules, *, dynamic: bool = False, options: Optional[dict] = None,
+                     backend="inductor"):
+    """torch.compile of fn (fullgraph: a graph break would split it around a host sync) for device:
+    on a CPU through cpu_backend(*modules), elsewhere Inductor with options. backend: a backend of
+    torch.compile's to use instead (the tests pass one that inspects the graph)."""
+    if backend != "inductor":
+        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
+    if str(device) == "cpu":
+        return frozen(torch.compile(fn, backend=cpu_backend(*modules), fullgraph=True, dynamic=dynamic))
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, options=options)
+
+
+def frozen(compiled):
+    """compiled, called with Inductor's freezing flag on: dynamo may trace at any call (the first,
+    or a recompile), and reads the flag then."""
+    def call(*args, **kwargs):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+    return call
+
 
 def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
-    """One speculative round as one graph: fullgraph (a graph break would split it around a host
-    sync) and dynamic=False (every shape of a round is fixed by the Speculator; a dynamic-shape
-    graph would specialise less and recompile where a static one need not).
+    """One speculative round as one graph, dynamic=False (every shape of a round is fixed by the
+    Speculator; a dynamic-shape graph would specialise less and recompile where a static one need
+    not).
 
     dont_skip_tracing: torch._dynamo skips any module whose import name is "tree" (it takes it for
     the dm-tree library), and that would be our tree.py.
@@ -555,16 +633,15 @@ def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
     Every Speculator compiles its own graph of the same code (Speculator.round), and dynamo keeps
     at most torch._dynamo.config.recompile_limit (8) graphs per code object: a process that
     compiles more rounds (methods x temperatures x tree sizes) raises the limit, as
-    scripts/benchmark.py does, or runs one method per process, as scripts/gpu_check.sh does.
-    backend: torch.compile's; the tests pass one that inspects the graph."""
+    scripts/benchmark.py does, or runs one method per process, as scripts/gpu_check.sh does."""
     if not hasattr(torch._dynamo, "dont_skip_tracing"):  # added in torch 2.8
         raise RuntimeError(f"compiling a round needs torch >= 2.8 (torch._dynamo.dont_skip_tracing), this is "
                            f"torch {torch.__version__}: upgrade torch or run without --compile")
-    inductor = backend == "inductor"
-    spec.round = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), backend=backend, fullgraph=True,
-                               dynamic=False, options=ROUND_OPTIONS if inductor else None)
+    device = spec.target.norm.weight.device
+    modules = (spec.target, spec.draft)
+    spec.round = compile_function(torch._dynamo.dont_skip_tracing(spec.round), device, modules,
+                                  options=ROUND_OPTIONS, backend=backend)
     if compile_prefill:  # prompts vary in length: dynamic shapes, no CUDA graphs
-        spec.prefill = torch.compile(spec.prefill, backend=backend, fullgraph=True, dynamic=True,
-                                     options=PREFILL_OPTIONS if inductor else None)
+        spec.prefill = compile_function(spec.prefill, device, modules, dynamic=True, options=PREFILL_OPTIONS,
+                                        backend=backend)
     return spec
-

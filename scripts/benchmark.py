@@ -347,7 +347,7 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
         draft.setup_caches(1, room + max(regions, default=0))
     if args.compile:
         allow_many_graphs()
-        gen.compile_decoding(device, args.compile_prefill)
+        gen.compile_decoding(device, args.compile_prefill, model)
 
     def vanilla(sampling):
         def decode(prompt_ids, max_new_tokens):
@@ -751,7 +751,7 @@ def run_random_weights(args, argv=None) -> dict:
     eager_decode = gen.decode_one_token  # compile_decoding rebinds the module's name
     if args.compile:
         allow_many_graphs()
-        gen.compile_decoding(device, args.compile_prefill)
+        gen.compile_decoding(device, args.compile_prefill, model)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 

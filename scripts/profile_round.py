@@ -210,7 +210,7 @@ def main(argv=None):
     report["vanilla_step_ms_eager"] = vanilla_step_seconds(model, gen.decode_one_token) * 1e3
     report["eager"] = profile_eager(args, model, draft, tokenizer)
     if args.compile:
-        gen.compile_decoding("cpu", False)
+        gen.compile_decoding("cpu", False, model)
         report["vanilla_step_ms_compiled"] = vanilla_step_seconds(model, gen.decode_one_token) * 1e3
         report["compiled"] = profile_compiled(args, model, draft, tokenizer)
     args.out.parent.mkdir(parents=True, exist_ok=True)

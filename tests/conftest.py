@@ -198,6 +198,17 @@ def tiny_sentencepiece_model(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def cpu_compile_without_autotuning(request, monkeypatch):
+    """Tests that compile on a CPU get frozen graphs, as generate.py does (the setting whose
+    correctness is at stake: weights as constants, caches mutated in place), but no max-autotune
+    unless marked `autotune`: timing C++ GEMM candidates for every GEMM shape of a tiny model costs
+    ~100 s a test and proves nothing that the marked tests on the real model do not."""
+    if "autotune" not in request.keywords:
+        import speculative
+        monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "max_autotune": False})
+
+
 def _find_smollm2_gguf():
     """The SmolLM2-135M-Instruct Q4_1 GGUF: $SMOLLM2_GGUF, else where scripts/prepare.sh caches it,
     else the copy of the development machine; None when there is none."""

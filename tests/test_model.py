@@ -183,7 +183,7 @@ def test_copy_slots_moves_entries_of_every_layer_at_once():
     model.kv_storage.normal_()
     before = model.kv_storage.clone()
     src, dst = torch.tensor([[5, 6, 7], [20, 3, 9]]), torch.tensor([[6, 7, 8], [0, 1, 2]])
-    copy_slots(model.kv_storage, src, dst)
+    copy_slots(model, src, dst)
     expected = before.clone()
     for b in range(2):
         for i in range(3):
