@@ -63,7 +63,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import load_draft, load_model, save_draft  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids  # noqa: E402
-from model import KVCache, apply_rope  # noqa: E402
+from model import KVCache, apply_rope, pack_linears  # noqa: E402
 from sampling import logits_to_probs, sample_from  # noqa: E402
 from speculative import Speculator, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -655,13 +655,14 @@ def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
     return hit / max(1, total)
 
 
-def warm_start(draft: Eagle3Draft, target):
-    """The draft's LM head starts as the target's output rows for the draft vocabulary, its final
-    norm as the target's: from the first step its logits are the target's own head read off the
-    draft's output, instead of random (as vLLM's speculators initialise EAGLE-3 drafts)."""
+def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch.Tensor):
+    """The draft's LM head starts as the target's output rows (head_weight [vocab, dim]) for the
+    draft vocabulary, its final norm as the target's: from the first step its logits are the
+    target's own head read off the draft's output, instead of random (as vLLM's speculators
+    initialise EAGLE-3 drafts)."""
     with torch.no_grad():
-        draft.lm_head.weight.copy_(target.output.weight[draft.vocab.to(target.output.weight.device)])
-        draft.norm.weight.copy_(target.norm.weight)
+        draft.lm_head.weight.copy_(head_weight[draft.vocab.to(head_weight.device)])
+        draft.norm.weight.copy_(norm_weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -927,14 +928,14 @@ def setup_for_training(draft, max_len: int):
     draft.setup_caches(1, max_len)
 
 
-def make_draft(target, args, vocab=None):
-    """A fresh head: EAGLE-3 with the draft vocabulary `vocab` (warm-started from the target unless
-    --no-warm_start), or EAGLE-1/2."""
+def make_draft(target, args, vocab=None, head_weight=None):
+    """A fresh head: EAGLE-3 with the draft vocabulary `vocab` (warm-started from the target's LM
+    head weight unless --no-warm_start), or EAGLE-1/2."""
     if args.arch == "eagle3":
         draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
         draft.vocab.copy_(vocab)
         if args.warm_start:
-            warm_start(draft, target)
+            warm_start(draft, target.output.weight if head_weight is None else head_weight, target.norm.weight)
         return draft
     return EagleDraft(draft_config_for(target.config), fc_bias=args.fc_bias)
 
@@ -946,7 +947,8 @@ def save_state(path: Path, state: dict):
     os.replace(tmp, path)
 
 
-def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None, on_eval=None, baseline_tau=None):
+def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None, on_eval=None, baseline_tau=None,
+          head_weight=None):
     """The training loop of both architectures: AdamW, warm-up then cosine, clipping by value,
     bf16 autocast. Validation (and tau on tau_prompts) after every epoch and every eval_every
     steps; the state is saved every save_every steps, at every validation and when max_steps is
@@ -954,11 +956,12 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
     the random state saved at the epoch's start). on_eval(draft, state, ship): called after every
     validation; ship is True when the head should be written out: its tau beats the best so far
     and baseline_tau (the head already shipped), or it is the first validation and there is no
-    baseline. Returns (draft, history, state)."""
+    baseline. head_weight: the target's LM head weight, when target.output is packed. Returns
+    (draft, history, state)."""
     device = target.norm.weight.device
     torch.manual_seed(args.seed)
     eagle3 = args.arch == "eagle3"
-    draft = make_draft(target, args, vocab).to(device).train()
+    draft = make_draft(target, args, vocab, head_weight).to(device).train()
     if eagle3:
         draft_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)  # target id -> draft index
         draft_index[vocab] = torch.arange(len(vocab))
@@ -1186,6 +1189,11 @@ def main(argv=None):
         p.requires_grad_(False)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     eagle3 = args.arch == "eagle3"
+    head_weight = target.output.weight.detach()  # (the warm start reads it; packing makes it opaque)
+    if eagle3:
+        # Eager bf16 on a CPU: weights in oneDNN's layout once, instead of reordered at every call
+        # (a no-op elsewhere). EAGLE-3 training needs no gradient through the target's linears.
+        pack_linears(target)
 
     if eagle3:
         if args.data_only:
@@ -1241,7 +1249,7 @@ def main(argv=None):
                   file=sys.stderr, flush=True)
 
     draft, history, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
-                               baseline_tau)
+                               baseline_tau, head_weight)
     (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
     if not eagle3:
         save_draft(draft, args.out_dir, dtype=torch.bfloat16)
