@@ -11,6 +11,7 @@ the accepted nodes' K/V down to the end of the prefix:
     auto_shape ...         --tree_tokens auto: the tree shape from what rounds cost on this machine
 """
 import hashlib
+import importlib
 import json
 import os
 import platform
@@ -58,26 +59,32 @@ def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] 
     node = torch.zeros(B, dtype=torch.long, device=logits.device)
     alive = torch.ones(B, dtype=torch.bool, device=logits.device)
     bonus = torch.zeros(B, dtype=torch.long, device=logits.device)
+    if temperature == 0:
+        # The walk below with p one-hot, on token ids: at each node the child equal to the target's
+        # argmax is accepted (children are distinct tokens), else the argmax is the bonus. The same
+        # decisions without a vocabulary-sized tensor per depth.
+        best = logits.argmax(-1)  # [B, T]: the target's token after each node
+        for _ in range(max_depth + 1):
+            want = best[rows, node]
+            hit = (tree.parents == node[:, None]) & (tree.tokens == want[:, None])
+            found = hit.any(1)
+            bonus = torch.where(alive & ~found, want, bonus)
+            node = torch.where(alive & found, hit.int().argmax(1), node)
+            alive = alive & found
+        return node, tree.depth[rows, node], bonus
     for _ in range(max_depth + 1):  # the last pass only draws the bonus at a deepest node
-        node_logits = logits[rows, node]
-        if temperature == 0:
-            p = torch.zeros_like(node_logits, dtype=torch.float).scatter_(1, node_logits.argmax(-1, keepdim=True), 1.0)
-        else:
-            p = logits_to_probs(node_logits, temperature, top_k, top_p)
+        p = logits_to_probs(logits[rows, node], temperature, top_k, top_p)
         is_child = tree.parents == node[:, None]  # [B, T], in rank order
         p_child = p.gather(1, tree.tokens) * is_child
         mass_before = p_child.cumsum(1) - p_child  # higher-ranked siblings already rejected
         ratio = p_child / (1 - mass_before).clamp(min=1e-30)
-        if temperature == 0:
-            hit = is_child & (ratio > 0.5)  # ratio is exactly 1 for the argmax child, 0 for the others
-        else:
-            hit = is_child & (torch.rand(B, T, device=logits.device) < ratio)
+        hit = is_child & (torch.rand(B, T, device=logits.device) < ratio)
         found = hit.any(1)
         # Rows that accept no child stop here; their next token is drawn from p without the children.
         child_tokens = torch.where(is_child, tree.tokens, V)  # V: a dummy column for non-children
         residual = torch.cat([p, p.new_zeros(B, 1)], 1).scatter(1, child_tokens, 0.0)[:, :V]
         residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p)  # float round-off guard
-        drawn = residual.argmax(-1) if temperature == 0 else sample_from(residual)  # (unnormalised is fine)
+        drawn = sample_from(residual)  # (unnormalised is fine)
         bonus = torch.where(alive & ~found, drawn, bonus)
         node = torch.where(alive & found, hit.int().argmax(1), node)
         alive = alive & found
@@ -292,6 +299,7 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
 # ---------------------------------------------------------------------------------------------
 AUTO_TOP_K = (4, 6, 8, 10)
 AUTO_TOKENS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+AUTO_TOKENS_CPU = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # compiled on a CPU, where verify(T) grows with T
 AUTO_ROUNDS = 16         # probe rounds per top_k
 AUTO_MIN_SPEEDUP = 1.05  # a tree must be predicted this much faster than vanilla decoding to be used
 
@@ -355,23 +363,33 @@ def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS
 @torch.no_grad()
 def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, max_depth: int = 8,
                    tokens=AUTO_TOKENS, rounds: int = AUTO_ROUNDS, temperature: float = 0.0, top_k=None, top_p=None,
-                   stop_ids=(), cuda_graphs: bool = False):
+                   stop_ids=(), cuda_graphs: bool = False, compiled_cpu: bool = False):
     """What choose_shape needs, measured on this machine: (ShapeCosts, acceptance). Probe rounds
     run on the prompts (lists of ids), one top_k at a time, with the deepest tree and the largest
     number of tokens; the step, each tree level and verify(T) are timed on their own (medians).
     cuda_graphs: time replays of CUDA graphs of the eager step, tree growth and verify, as a
     compiled run on CUDA executes them (eager mode there is launch-bound and would overstate the
-    small draft forwards). Under tensor parallelism every rank takes rank 0's timings
+    small draft forwards). compiled_cpu: time each part compiled as a --compile run on a CPU
+    compiles it (compile_function), with fewer graphs, since each costs a compilation: tree growth
+    for the largest top_k only, which serves for all (a level costs what reading the draft's
+    weights costs, whatever top_k is: 4.41 ms for top_k 4, 4.52 ms for 8, depth 4, measured), and
+    verify(T) for the smallest and largest T, linear in between (measured 1.26, 1.24, 1.38, 1.45
+    steps for 8, 12, 16, 24 tokens). Under tensor parallelism every rank takes rank 0's timings
     (tp.from_rank0), so that all choose the same shape."""
     device = model.norm.weight.device
     sampling = (temperature, top_k, top_p)
     budget = rounds * (max_depth + 1) + 2 * (max_depth + 1)
     longest = max(len(p) for p in prompts)
 
-    def seconds(fn, repeats=5):
-        fn = cuda_graph(fn) if cuda_graphs else fn
+    def seconds(fn, repeats=5, reset=None):
+        if cuda_graphs:
+            fn = cuda_graph(fn)
+        elif compiled_cpu:  # compiled at the first, untimed call
+            fn = compile_function(torch._dynamo.dont_skip_tracing(fn), device, (model, draft))
         times = []
         for _ in range(repeats + 1):
+            if reset is not None:
+                reset()
             device_sync(device)
             t = time.perf_counter()
             fn()
@@ -409,23 +427,46 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
             accepted = pool.keep[0, path[0, 1:m + 1] - 1].tolist()
             probes.append((pool.scores[0].float().cpu(), pool.depth.cpu(), accepted))
         acceptance[k] = probes
+        if compiled_cpu and k != max(top_ks):
+            continue
         # the first level alone, and all of them, from the same state
         root_hidden = spec.catch_up()
         first = seconds(lambda: grow_dynamic_tree(draft, model.tok_embeddings, model.output, spec.root, root_hidden,
                                                   spec.prefix_len, k, 1, 2))
         full = seconds(lambda: spec.grow(root_hidden))
         grow[k] = (first, max(0.0, (full - first) / (max_depth - 1)))
+    if compiled_cpu:
+        grow = {k: grow[max(top_ks)] for k in top_ks}
+        # the rest of a round, compiled: catch-up, then acceptance, compaction and bookkeeping from
+        # the state a round leaves (restored before each timing: they move the state on)
+        tree = spec.grow(spec.catch_up())
+        logits, features = spec.verify(tree)
+        state = {name: b.clone() for name, b in spec.named_buffers(recurse=False)}
+
+        def restore():
+            for name, b in spec.named_buffers(recurse=False):
+                b.copy_(state[name])
+
+        def rest():
+            node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
+            spec.advance(tree, spec.compact(tree, node), n_accepted, bonus, features)
+
+        others = [seconds(spec.catch_up, reset=restore) + seconds(rest, reset=restore)]
     # verify(T): the target's forward over T tree tokens (a chain) after a real prefix
     spec.prefill(torch.tensor([prompts[0]], device=device), budget)
     verify = {}
-    for T in tokens:
-        if T > largest:
-            continue
+    timed = [T for T in tokens if T <= largest]
+    if compiled_cpu:
+        timed = [min(timed), max(timed)]
+    for T in timed:
         parents = torch.arange(-1, T - 1, device=device)[None]
         chain = Tree(spec.root[:, None].expand(1, T).clone(), parents, *tree_structure(parents, T - 1))
         verify[T] = seconds(lambda: model(chain.tokens, spec.prefix_len[:, None] + chain.depth,
                                           model.max_seq_length - T + torch.arange(T, device=device),
                                           TreeMask(spec.prefix_len, chain.ancestors)))
+    if compiled_cpu:  # the rest in between, on the line through the two
+        (t0, v0), (t1, v1) = sorted(verify.items())
+        verify = {T: v0 + (v1 - v0) * (T - t0) / max(1, t1 - t0) for T in tokens if T <= largest}
     token = spec.root.clone()
     position = spec.prefix_len.clone()
 
@@ -437,28 +478,31 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
 
 
 def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
-                cuda_graphs: bool = False, cache_key: Optional[dict] = None, **sampling):
+                cuda_graphs: bool = False, compiled_cpu: bool = False, cache_key: Optional[dict] = None, **sampling):
     """measure_shapes (or its cached result) and choose_shape: (choice, table, costs, how it got
     the costs). cache_key: what identifies the measurement (machine, model, head, dtype, mode,
     sampling); with it, the costs and probes are kept in auto_cache_dir() and a second run reads
-    them instead of measuring again."""
+    them instead of measuring again. compiled_cpu: costs of compiled graphs on a CPU, over trees of
+    at most 32 tokens (AUTO_TOKENS_CPU)."""
     if not prompts or not all(prompts):
         raise ValueError("--tree_tokens auto measures on prompts; none was given")
+    tokens = AUTO_TOKENS_CPU if compiled_cpu else AUTO_TOKENS
     cache = None if cache_key is None else auto_cache_dir() / (_digest(dict(
-        cache_key, top_ks=list(top_ks), max_depth=max(depths), tokens=list(AUTO_TOKENS), rounds=AUTO_ROUNDS,
-        sampling=sampling)) + ".pt")
+        cache_key, top_ks=list(top_ks), max_depth=max(depths), tokens=list(tokens), rounds=AUTO_ROUNDS,
+        sampling=sampling, compiled_cpu=compiled_cpu)) + ".pt")
     t = time.perf_counter()
     if cache is not None and cache.is_file():
         costs, acceptance = _read_cache(cache)
         how = f"read {cache}"
     else:
-        costs, acceptance = measure_shapes(model, draft, prompts, top_ks=top_ks, max_depth=max(depths),
-                                           stop_ids=stop_ids, cuda_graphs=cuda_graphs, **sampling)
+        costs, acceptance = measure_shapes(model, draft, prompts, top_ks=top_ks, max_depth=max(depths), tokens=tokens,
+                                           stop_ids=stop_ids, cuda_graphs=cuda_graphs, compiled_cpu=compiled_cpu,
+                                           **sampling)
         how = f"measured for {time.perf_counter() - t:.1f} s"
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"costs": costs._asdict(), "acceptance": acceptance}, cache)
-    return (*choose_shape(costs, acceptance, depths), costs, how)
+    return (*choose_shape(costs, acceptance, depths, tokens), costs, how)
 
 
 def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[dict]:
@@ -561,6 +605,26 @@ CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
                 "coordinate_descent_tuning": False, "fx_graph_cache": True}
 
 
+# What cpu_backend uses, as (module, attribute), so that a torch without one of them gets a clear
+# message rather than a traceback from inside the compiler (torch 2.13 has them all).
+CPU_COMPILE_NEEDS = (("torch._inductor.config", "freezing"), ("torch._inductor.config", "max_autotune_gemm_backends"),
+                     ("torch._inductor.config", "fx_graph_cache"), ("torch._inductor.compile_fx", "compile_fx"),
+                     ("torch.compiler.config", "cache_key_tag"), ("torch.backends.mkldnn", "flags"))
+
+
+def missing_cpu_compile_settings() -> list:
+    """The names of CPU_COMPILE_NEEDS this torch lacks."""
+    missing = []
+    for module, attribute in CPU_COMPILE_NEEDS:
+        try:
+            found = hasattr(importlib.import_module(module), attribute)
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"{module}.{attribute}")
+    return missing
+
+
 def weights_digest(*modules: nn.Module) -> str:
     """A digest of the modules' weights (their state dicts: parameters, quantized weights, scales).
 
@@ -609,6 +673,10 @@ def compile_function(fn, device, modules, *, dynamic: bool = False, options: Opt
     if backend != "inductor":
         return torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
     if str(device) == "cpu":
+        missing = missing_cpu_compile_settings()
+        if missing:
+            raise RuntimeError(f"compiling for a CPU needs {', '.join(missing)}, which torch {torch.__version__} "
+                               f"lacks: upgrade torch (2.13 has them) or run without --compile")
         return frozen(torch.compile(fn, backend=cpu_backend(*modules), fullgraph=True, dynamic=dynamic))
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, options=options)
 

@@ -324,6 +324,7 @@ def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) 
                 top_ks=speculative.AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
                 depths=range(1, 9) if depth is None else (depth,),
                 cuda_graphs=args.compile and args.device.startswith("cuda"),
+                compiled_cpu=args.compile and args.device == "cpu",
                 cache_key=dict(speculative.machine_key(args.device), model=speculative.file_key(args.checkpoint_path),
                                draft=speculative.file_key(head), dtype=args.dtype, compiled=args.compile,
                                draft_dtype=(args.draft3_dtype or args.dtype) if method == "eagle3" else args.dtype,

@@ -48,6 +48,26 @@ def test_stops_at_a_stop_token_and_compiled_matches_eager():
     assert gen.generate(model, prompt, 40, decode_fn=compiled)[0] == full
 
 
+@pytest.mark.autotune
+@torch.no_grad()
+def test_compiled_frozen_decoding_equals_eager_on_smollm2(smollm2_checkpoint):
+    """--compile on a CPU as generate.py does it (frozen weights, max-autotune's C++ GEMM
+    templates, SDPA, the KV cache mutated in place): greedy tokens equal eager decoding's, float32."""
+    from speculative import compile_function
+    from tokenizer import load_tokenizer
+
+    model = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32)
+    tokenizer = load_tokenizer(smollm2_checkpoint)
+    prompts = [torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
+               for text in ("Name three colours of the rainbow.", "Write one sentence about the moon.")]
+    n = 32
+    model.setup_caches(1, max(p.size(1) for p in prompts) + n)  # one cache size: one compiled graph
+    eager = [gen.generate(model, p, n, stop_ids=tokenizer.stop_ids)[0] for p in prompts]
+    step = compile_function(gen.decode_one_token, "cpu", (model,))
+    assert [gen.generate(model, p, n, stop_ids=tokenizer.stop_ids, decode_fn=step)[0] for p in prompts] == eager
+    assert all(len(ids) > 8 for ids in eager)
+
+
 def test_logits_to_probs_top_k_and_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     p = sampling.logits_to_probs(logits, 1.0)
@@ -91,7 +111,7 @@ def test_sampling_matches_the_distribution():
 def test_cli_answers_paris_and_stops_at_end_of_turn(smollm2_checkpoint, tmp_path):
     out = tmp_path / "out.json"
     gen.main(["--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--chat", "--prompt",
-              "What is the capital of France?", "--max_new_tokens", "64", "--output_json", str(out)])
+              "What is the capital of France?", "--max_new_tokens", "64", "--no-compile", "--output_json", str(out)])
     report = json.loads(out.read_text())
     sample = report["samples"][0]
     assert "Paris" in sample["text"]
@@ -134,7 +154,7 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
     out = tmp_path / "compare.json"
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
                        "--speculate", "eagle2", "--tree_tokens", "16", "--compare", "--max_new_tokens", "40",
-                       "--device", "cpu", "--output_json", str(out)])
+                       "--device", "cpu", "--no-compile", "--output_json", str(out)])
     err = capsys.readouterr().err
     assert report["identical"] and report["plain"]["token_ids"] == report["speculative"]["token_ids"]
     assert report["speculative"]["mean_accepted"] > 2 and report["plain"]["mean_accepted"] == 1.0

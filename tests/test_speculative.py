@@ -2,6 +2,10 @@
 token, sampled output is distributed exactly as vanilla sampling, and the KV cache after the
 rounds equals vanilla's."""
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -298,14 +302,17 @@ def chi_square_p_value(counts, expected):
     return float(torch.special.gammaincc(df / 2, chi2 / 2))
 
 
-@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 4, None), (1.0, None, 0.8)])
+@pytest.mark.parametrize("method, compiled, temperature, top_k, top_p", [
+    *[(method, False, *sampling) for method in ("eagle2", "eagle3")
+      for sampling in ((1.0, None, None), (0.8, 4, None), (1.0, None, 0.8))],
+    ("eagle3", True, 1.0, None, 0.8)])
 @torch.no_grad()
-def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method):
+def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method, compiled):
     """20,000 rows sampled in one batch: the joint law of the first three tokens passes a
     chi-square test against vanilla's exact law, and fails one against a slightly hotter law.
     eagle3: the draft's vocabulary lacks some of the eight tokens, which it can never propose:
-    they must still come out with exactly their probability (through the residual draws)."""
+    they must still come out with exactly their probability (through the residual draws).
+    compiled: the round as one frozen graph, as generate.py --compile runs it on a CPU."""
     V, N = 8, 20_000
     if method == "eagle3":  # sharpness 0.03: the target's next token is token + 1 about half the time
         target, draft = eagle3_pair(seed=11, vocab_size=V, sharpness=0.03, missing=0.3)
@@ -318,9 +325,14 @@ def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method
     hotter = exact_first_three(target, prompt, temperature * 1.15, top_k, top_p)
 
     spec = speculative.Speculator(target, draft, tree_top_k=3, tree_depth=3, tree_tokens=10,
-                          temperature=temperature, top_k=top_k, top_p=top_p)
+                                  temperature=temperature, top_k=top_k, top_p=top_p)
+    round_fn = None
+    if compiled:
+        spec.setup(N, 5 + 3 + 2 * (spec.depth + 1))  # the shapes the graph is compiled for
+        torch._dynamo.reset()  # every Speculator compiles the same code object: clear of the recompile limit
+        round_fn = speculative.compile_round(spec, compile_prefill=False).round
     torch.manual_seed(123)
-    ids, per_round = speculative.speculative_generate(spec, prompt.expand(N, -1), 3)
+    ids, per_round = speculative.speculative_generate(spec, prompt.expand(N, -1), 3, round_fn=round_fn)
     first3 = torch.tensor([row[:3] for row in ids])
     counts = torch.bincount(first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2], minlength=V ** 3)
     first_round = torch.tensor([r[0] for r in per_round])
@@ -330,3 +342,62 @@ def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method
     if method == "eagle3":  # tokens the draft cannot say were emitted, as often as vanilla emits them
         outside = torch.isin(first3, outside_vocab)
         assert outside.any(dim=1).float().mean() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling on a CPU: the on-disk cache, and a torch that lacks a setting
+# ---------------------------------------------------------------------------------------------
+CACHED_STEP = """
+import json, sys, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import generate as gen, speculative
+from conftest import tiny_target
+from torch._dynamo.utils import counters
+speculative.CPU_INDUCTOR = dict(speculative.CPU_INDUCTOR, max_autotune=False)  # freezing is what matters here
+model = tiny_target("tiny-llama", seed=int(sys.argv[1])).eval()
+prompt = torch.arange(1, 9)[None]
+with torch.no_grad():
+    model.setup_caches(1, 40)
+    eager = gen.generate(model, prompt, 24)[0]
+    step = speculative.compile_function(gen.decode_one_token, "cpu", (model,))
+    compiled = gen.generate(model, prompt, 24, decode_fn=step)[0]
+print(json.dumps(dict(eager=eager, compiled=compiled, **{{k: v for k, v in counters["inductor"].items()
+                                                         if k.startswith("fxgraph_cache")}})))
+"""
+
+
+def test_a_second_process_loads_the_frozen_graph_from_the_cache(tmp_path):
+    """Frozen CPU graphs go to Inductor's on-disk cache (no oneDNN tensors in them) keyed by the
+    weights: a second process with the same weights compiles nothing (a cache hit, no miss, no
+    bypass); one with other weights of the same shapes compiles its own graph and decodes with its
+    own weights, not with the packed copies of the first (Inductor keys frozen weights by shape)."""
+    script = tmp_path / "step.py"
+    script.write_text(CACHED_STEP.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+
+    def run(seed):
+        out = subprocess.run([sys.executable, str(script), str(seed)], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second, other = run(0), run(0), run(1)
+    assert first["compiled"] == first["eager"] and first.get("fxgraph_cache_miss") == 1
+    assert "fxgraph_cache_bypass" not in first  # the graph could be stored
+    assert second.get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second
+    assert second["compiled"] == first["compiled"]
+    assert other.get("fxgraph_cache_miss") == 1 and other["compiled"] == other["eager"] != first["eager"]
+
+
+def test_a_torch_without_a_cpu_compile_setting_gets_a_clear_message(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(speculative, "CPU_COMPILE_NEEDS",
+                        speculative.CPU_COMPILE_NEEDS + (("torch._inductor.config", "no_such_setting"),))
+    assert speculative.missing_cpu_compile_settings() == ["torch._inductor.config.no_such_setting"]
+    with pytest.raises(RuntimeError, match="torch._inductor.config.no_such_setting, which torch"):
+        speculative.compile_function(gen.decode_one_token, "cpu", (tiny_target(),))
+    checkpoint_path = tmp_path / "tiny-llama" / "model.pth"
+    checkpoint_path.parent.mkdir()
+    checkpoint_path.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--checkpoint_path", str(checkpoint_path), "--compile", "--device", "cpu"])
+    assert "--compile on a CPU needs torch._inductor.config.no_such_setting" in capsys.readouterr().err
