@@ -180,13 +180,15 @@ def parse_args(argv=None):
                    help="eagle3: the draft's dtype (default: the target's). The output does not depend on it (the "
                         "target verifies every token); bfloat16 makes each draft level cheaper on a CPU")
     g.add_argument("--tree_top_k", type=int, default=None,
-                   help="eagle2/eagle3: children per expanded node (default 10; with auto, chosen unless given)")
+                   help="eagle2/eagle3: children per expanded node (default 10, 8 compiled on a CPU; with auto, "
+                        "chosen unless given)")
     g.add_argument("--tree_depth", type=int, default=None,
                    help="eagle2/eagle3: levels of draft guesses (default 6 for eagle2, 8 for eagle3, as in their "
-                        "papers; with auto, chosen unless given)")
+                        "papers; 3 compiled on a CPU; with auto, chosen unless given)")
     g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=None,
-                   help="eagle2/eagle3: nodes verified per round, root included (default: auto on a CPU, 60 on a "
-                        "GPU); auto: choose top_k, depth and tokens from what rounds cost on this machine and how "
+                   help="eagle2/eagle3: nodes verified per round, root included (default: 12 compiled on a CPU, "
+                        "auto for eager CPU runs, 60 on a GPU); auto: choose top_k, depth and tokens from what rounds "
+                        "cost on this machine (compiled graphs on a CPU: a few minutes, once) and how "
                         "often the head's guesses are accepted, measured once and cached "
                         "(speculative.auto_shape), or decode without speculation if no tree pays")
     g.add_argument("--tree", type=Path, default=None,
@@ -250,8 +252,15 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile else "float32"
-    if args.tree_tokens is None:  # a CPU's verify cost grows with the tree: measure there
-        args.tree_tokens = "auto" if args.device == "cpu" and args.speculate in ("eagle2", "eagle3") else 60
+    if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
+        if args.compile:  # a measured shape; auto would compile a few graphs to time them (minutes, once)
+            args.tree_tokens = CPU_COMPILED_TREE["tree_tokens"]
+            args.tree_top_k = args.tree_top_k or CPU_COMPILED_TREE["tree_top_k"]
+            args.tree_depth = args.tree_depth or CPU_COMPILED_TREE["tree_depth"]
+        else:  # eager, measuring takes seconds
+            args.tree_tokens = "auto"
+    if args.tree_tokens is None:
+        args.tree_tokens = 60
     if args.tree_tokens != "auto":  # auto searches what is not given
         args.tree_top_k = 10 if args.tree_top_k is None else args.tree_top_k
         args.tree_depth = SPECULATE.get(args.speculate, SPECULATE["eagle2"])["depth"] if args.tree_depth is None \
@@ -266,6 +275,13 @@ SPECULATE = {
     "eagle2": dict(folder="eagle", depth=6, arch=EagleDraft),
     "eagle3": dict(folder="eagle3", depth=8, arch=Eagle3Draft),
 }
+
+
+# The tree of a compiled CPU run without --tree_tokens. On a CPU verifying T tokens costs more the
+# larger T (compiled, bf16, SmolLM2-135M: 1.18 steps for 2 tokens, 1.29 for 12, 1.52 for 32) and
+# each draft level ~0.08 steps; --tree_tokens auto times this machine and picks the shape for the
+# head (benchmarks/README.md has the measurements behind this default).
+CPU_COMPILED_TREE = dict(tree_top_k=8, tree_depth=3, tree_tokens=12)
 
 
 def check_head(method: str, draft, path):
@@ -457,10 +473,13 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
                          max_seq_length)
     speculative = make_decoder(args, model, tokenizer.stop_ids, max_seq_length, probe_prompts(tokenizer, args.chat))
     method = args.speculate  # "none" when --tree_tokens auto found no tree worth it
-    runs = {}
+    runs, compile_s = {}, {}
     for name, decode in (("plain", plain), ("speculative", speculative)):
-        if args.compile:
-            decode(prompt_ids, args.max_new_tokens)  # compilation and warm-up, not timed
+        if args.compile:  # compilation (or loading it from the cache) and warm-up, timed apart
+            t = time.perf_counter()
+            decode(prompt_ids, args.max_new_tokens)
+            compile_s[name] = time.perf_counter() - t
+            print(f"{name}: compiled and warmed up in {compile_s[name]:.1f} s", file=sys.stderr)
         streamer = TextStreamer(tokenizer) if name == "speculative" else None
         if streamer is not None:
             print("Assistant: " if args.chat else "", end="", flush=True)
@@ -485,16 +504,21 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
     speedup = s["tokens_per_s"] / p["tokens_per_s"]
     identical = p["token_ids"] == s["token_ids"]
     if args.temperature == 0:
-        verdict = "the two answers are identical" if identical else (
-            "the answers differ" + (" (bfloat16/float16 rounding: a batched verify and a one-token step round "
-                                    "differently, so near-ties can flip; float32 gives identical answers)"
-                                    if args.dtype != "float32" else ": this is a bug, please report it"))
+        verdict = "the two answers are identical" if identical else "the answers differ"
+        if args.dtype != "float32":  # say it whether or not this answer met a near-tie
+            verdict += (" (in bfloat16/float16 they can differ where two tokens nearly tie: the batched verify "
+                        "and the one-token step round differently; float32 gives identical answers)")
+        elif not identical:
+            verdict += ": this is a bug, please report it"
     else:
         verdict = "sampled: the answers are drawn from the same distribution, not expected to be equal"
     print(f"speedup {speedup:.2f}x; {verdict}", file=sys.stderr)
+    if compile_s:
+        print(f"compiling took {compile_s['plain']:.0f} s (plain) + {compile_s['speculative']:.0f} s (speculative), "
+              f"warm-up run included; graphs are cached on disk, so a second run loads them", file=sys.stderr)
     report = {"checkpoint": str(args.checkpoint_path), "prompt_ids": prompt_ids, "dtype": args.dtype,
               "compiled": args.compile, "speculate": method, "temperature": args.temperature,
-              "plain": p, "speculative": s, "speedup": speedup, "identical": identical}
+              "plain": p, "speculative": s, "speedup": speedup, "identical": identical, "compile_s": compile_s}
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(report, indent=1))
