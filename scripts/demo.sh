@@ -4,15 +4,18 @@
 # (streamed), and print both speeds, the speedup, tau (tokens per target forward) and whether
 # the two answers are identical.
 #
-# The head: the EAGLE-2 one (checkpoints/NAME/eagle/), whose acceptance is the better of the two
-# shipped heads (MT-bench tau 2.45 against the EAGLE-3 head's 2.06, benchmarks/README.md);
-# DEMO_SPECULATE=eagle3 (or eagle) picks another.
-# The defaults are what measured fastest on a 2-core CPU (benchmarks/README.md): float32 (the
-# answers are then identical to plain decoding, token for token), eager, no torch.compile
-# (compiling costs ~1 min per graph and decoded no faster there), and the tree shape from
-# --tree_tokens auto, which times this machine once and caches the result. On a GPU add --compile. Extra arguments go to generate.py and win over these, e.g.
+# The head: the EAGLE-2 one (checkpoints/NAME/eagle/), which accepts more of its guesses than the
+# EAGLE-3 one (MT-bench tau 2.45 against 2.06, benchmarks/README.md); DEMO_SPECULATE=eagle3 (or
+# eagle) picks another.
+# The settings are generate.py's defaults on a CPU, what measured fastest on a 2-core CPU
+# (benchmarks/README.md): compiled (frozen weights, Inductor's C++ GEMM templates; compiling takes
+# a minute or two the first time and is cached on disk, so later runs start in seconds),
+# bfloat16 (twice float32's speed; the speculative answer can then differ from the plain one where
+# two tokens nearly tie, which the demo says), and a 12-token tree. Extra arguments go to
+# generate.py and win over these, e.g.
 #   bash scripts/demo.sh --prompt "Name three primes." --max_new_tokens 64
-#   bash scripts/demo.sh --dtype bfloat16     # half precision (near-ties may flip a token or two)
+#   bash scripts/demo.sh --dtype float32       # identical answers, token for token
+#   bash scripts/demo.sh --no-compile          # eager: no compile time, half the speed
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
