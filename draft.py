@@ -295,3 +295,37 @@ def grow_static_tree(draft, embed, head, tree: StaticTree, root: Tensor, root_hi
             TreeMask(prefix_len, sees_all[idx].expand(B, -1, -1)))
     return Tree(tokens, tree.parents.expand(B, T), tree.depth.expand(B, T), tree.ancestors.expand(B, T, T),
                 tree.paths.expand(B, T, -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt lookup: a draft without a model. The text so far often repeats itself (code, lists,
+# quotes of the prompt, a model stuck in a loop): after the longest n-gram that ends the text and
+# occurred before, guess that what followed it then follows again. Static shapes, no host sync:
+# it runs inside a compiled round, over a history buffer of fixed size.
+# ---------------------------------------------------------------------------------------------
+def lookup_continuation(history: Tensor, length: Tensor, k: int, max_ngram: int = 4):
+    """history [B, H] token ids, of which the first length[b] are row b's text. For every earlier
+    position i, n(i) = how many tokens ending at i equal the tokens ending the text (up to
+    max_ngram); the match is the i with the largest n(i) >= 1, the most recent among those.
+    Returns (tokens [B, k]: the k tokens after the match, n_valid [B]: how many of them the text
+    really has (the rest are filler: any proposal is lossless), ngram [B]: n of the match, 0 when
+    there is none (the tokens are then filler too))."""
+    B, H = history.shape
+    device = history.device
+    idx = torch.arange(H, device=device)
+    last = length - 1
+    run = torch.ones(B, H, dtype=torch.bool, device=device)  # the n-gram ending at i matches so far
+    n = torch.zeros(B, H, dtype=torch.long, device=device)
+    for j in range(max_ngram):
+        here = history.gather(1, (idx - j).clamp(min=0).expand(B, H))       # token i - j
+        there = history.gather(1, (last - j).clamp(min=0)[:, None])          # token last - j
+        run = run & (here == there) & (idx >= j)[None] & (last >= j)[:, None]
+        n = n + run
+    earlier = idx[None] < last[:, None]  # the text's own end matches itself: not a match
+    score = torch.where(earlier & (n > 0), n * H + idx, -1)
+    best = score.max(1)
+    ngram = torch.where(best.values >= 0, n.gather(1, best.indices[:, None])[:, 0], 0)
+    start = best.indices + 1
+    tokens = history.gather(1, (start[:, None] + torch.arange(k, device=device)).clamp(max=H - 1))
+    n_valid = torch.where(ngram > 0, (length - start).clamp(0, k), 0)
+    return tokens, n_valid, ngram

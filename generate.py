@@ -173,7 +173,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculate", choices=["none", *SPECULATE], default="none",
                    help="eagle: EAGLE-1 head, static tree; eagle2: EAGLE-1/2 head, dynamic tree; eagle3: EAGLE-3 "
-                        "head (fused layers, its own reduced-vocabulary LM head), dynamic tree")
+                        "head (fused layers, its own reduced-vocabulary LM head), dynamic tree; lookup: prompt lookup "
+                        "alone (the continuation of the longest earlier match of the text's last words), no draft")
     g.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="EAGLE draft folder (default: eagle/ beside the checkpoint; eagle3/ for --speculate eagle3)")
     g.add_argument("--draft_dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -191,6 +192,12 @@ def parse_args(argv=None):
                         "cost on this machine (compiled graphs on a CPU: a few minutes, once) and how "
                         "often the head's guesses are accepted, measured once and cached "
                         "(speculative.auto_shape), or decode without speculation if no tree pays")
+    g.add_argument("--lookup", type=int, default=None,
+                   help="prompt lookup's guesses as a chain of this many more nodes in every tree, verified in the "
+                        "same forward pass (default 8 for eagle/eagle2/eagle3, 10 for --speculate lookup; 0: none)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="switch between speculative rounds and plain steps as the answer goes, whichever is faster "
+                        "by running estimates of their cost and of what rounds accept (default: on)")
     g.add_argument("--tree", type=Path, default=None,
                    help="eagle: JSON list of child-rank paths for the static tree (default: mc_sim_7b_63)")
     g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
@@ -242,7 +249,12 @@ def parse_args(argv=None):
                       "on the target's LM head, in the target's dtype")
     if args.tree is not None and not args.tree.is_file():
         errors.append(f"--tree file not found: {args.tree}")
-    if args.speculate != "none":
+    if args.lookup is not None and (args.lookup < 0 or (args.speculate == "lookup" and args.lookup < 1)):
+        errors.append(f"--lookup must be >= 0 (>= 1 with --speculate lookup), got {args.lookup}")
+    if args.speculate == "lookup" and (args.draft_checkpoint_path or args.tree_tokens or args.tree_top_k
+                                       or args.tree_depth):
+        errors.append("--speculate lookup has no draft and no tree: --lookup sets how many tokens it guesses")
+    if args.speculate not in ("none", "lookup"):
         if args.draft_checkpoint_path is None:
             args.draft_checkpoint_path = args.checkpoint_path.parent / SPECULATE[args.speculate]["folder"]
         if not args.draft_checkpoint_path.exists():
@@ -252,6 +264,8 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile else "float32"
+    if args.lookup is None:
+        args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
         if args.compile:  # a measured shape; auto would compile a few graphs to time them (minutes, once)
             args.tree_tokens = CPU_COMPILED_TREE["tree_tokens"]
@@ -274,6 +288,7 @@ SPECULATE = {
     "eagle": dict(folder="eagle", depth=5, arch=EagleDraft),  # the static tree sets its own depth
     "eagle2": dict(folder="eagle", depth=6, arch=EagleDraft),
     "eagle3": dict(folder="eagle3", depth=8, arch=Eagle3Draft),
+    "lookup": dict(folder=None, depth=0, arch=None),  # no draft: prompt lookup's chain alone
 }
 
 
@@ -329,6 +344,10 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
 
     from tree import mc_sim_7b_63, static_tree
 
+    lookup, adaptive = getattr(args, "lookup", 0) or 0, getattr(args, "adaptive", False)
+    if args.speculate == "lookup":
+        return speculative_decoder(args, Speculator(model, None, lookup=lookup, stop_ids=stop_ids, **sampling),
+                                   max_seq_length, adaptive)
     draft_dtype = getattr(torch, args.draft_dtype) if getattr(args, "draft_dtype", None) else model.norm.weight.dtype
     draft = load_draft(args.draft_checkpoint_path, model.config, args.device, draft_dtype)
     check_head(args.speculate, draft, args.draft_checkpoint_path)
@@ -337,7 +356,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     if args.tree_tokens == "auto":
         shape = auto_shape(
             model, draft, probes, stop_ids=stop_ids, cuda_graphs=args.compile and args.device.startswith("cuda"),
-            compiled_cpu=args.compile and args.device == "cpu",
+            compiled_cpu=args.compile and args.device == "cpu", lookup=lookup,
             top_ks=AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
             depths=range(1, 9) if args.tree_depth is None else (args.tree_depth,),
             cache_key=dict(machine_key(args.device), model=file_key(args.checkpoint_path),
@@ -353,15 +372,21 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     if args.speculate == "eagle":
         static = static_tree(json.loads(args.tree.read_text()) if args.tree else mc_sim_7b_63)
     spec = Speculator(model, draft, static=static, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                      tree_tokens=args.tree_tokens, stop_ids=stop_ids, **sampling)
-    spec.setup(1, max_seq_length + 2 * (spec.depth + 1))  # + room for the last round's overshoot
+                      tree_tokens=args.tree_tokens, stop_ids=stop_ids, lookup=lookup, **sampling)
+    return speculative_decoder(args, spec, max_seq_length, adaptive)
+
+
+def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: bool):
+    """make_decoder's decode function for a Speculator: caches for max_seq_length tokens plus the
+    last round's overshoot, compiled if asked."""
+    spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
     if args.compile:
         set_tensor_parallel_flags()
         compile_round(spec, args.compile_prefill)
 
     def decode(prompt_ids, max_new_tokens, callback=None):
         prompt = torch.tensor([prompt_ids], device=args.device)
-        ids, per_round = speculative_generate(spec, prompt, max_new_tokens, callback=callback)
+        ids, per_round = speculative_generate(spec, prompt, max_new_tokens, callback=callback, adaptive=adaptive)
         return ids[0], per_round[0]
     return decode
 
@@ -495,8 +520,11 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
     print("\n", file=sys.stderr)
     setting = f"{args.dtype}, {'compiled' if args.compile else 'eager'}"
     p, s = runs["plain"], runs["speculative"]
-    shape = ("" if method == "none" else
-             f", {'static tree' if method == 'eagle' else f'{args.tree_tokens}-token trees'}")
+    lookup = getattr(args, "lookup", 0) or 0
+    shape = {"none": "", "eagle": ", static tree", "lookup": f", {lookup} lookup tokens"}.get(
+        method, f", {args.tree_tokens}-token trees")
+    if lookup and method not in ("none", "lookup"):
+        shape += f" + {lookup} lookup tokens"
     print(f"plain decoding ({setting}):".ljust(44) + f"{p['new_tokens']:4d} tokens in {p['seconds']:6.2f} s = "
           f"{p['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
     print(f"{method} ({setting}{shape}):".ljust(44) + f"{s['new_tokens']:4d} tokens in {s['seconds']:6.2f} s = "

@@ -10,6 +10,7 @@ the accepted nodes' K/V down to the end of the prefix:
     compile_round          torch.compile of a round
     auto_shape ...         --tree_tokens auto: the tree shape from what rounds cost on this machine
 """
+import bisect
 import hashlib
 import importlib
 import json
@@ -26,10 +27,10 @@ import torch.nn as nn
 from torch import Tensor
 
 import tp
-from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree
+from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation
 from model import Transformer, TreeMask, copy_slots
 from sampling import cut_at_stop, logits_to_probs, sample, sample_from
-from tree import Tree, tree_structure
+from tree import Tree, graft_chain, tree_structure
 
 
 def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] = None,
@@ -97,23 +98,33 @@ class Speculator(nn.Module):
     place. Per row b of the batch:
         prefix_len  tokens in the target's KV cache; the root (next token, chosen by the target
                     but not yet in its cache) is token number prefix_len
+        history     the text so far, prompt included: tokens 0 .. prefix_len (prompt lookup reads it)
         cu_tokens, cu_features, cu_count   the draft's catch-up input: the last cu_count
                     (token, target feature) pairs the draft has not seen yet
         out, n_out  the tokens generated so far;  done  the row has stopped (stop token or limit)
     static: a StaticTree (EAGLE-1), or None for the dynamic EAGLE-2 tree of tree_top_k/depth/tokens.
+    lookup: prompt lookup's guesses (draft.lookup_continuation) as a chain of this many more nodes
+    in every tree (tree.graft_chain); with draft None they are the whole tree (--speculate lookup).
     """
 
     def __init__(self, target: Transformer, draft, *, static=None, tree_top_k: int = 10, tree_depth: int = 6,
                  tree_tokens: int = 60, temperature: float = 0.0, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, stop_ids=()):
+                 top_p: Optional[float] = None, stop_ids=(), lookup: int = 0, lookup_ngram: int = 4):
         super().__init__()
-        vocab = getattr(draft, "draft_vocab_size", target.config.vocab_size)  # what the draft chooses from
-        if static is not None:
+        if lookup < 0 or lookup_ngram < 1:
+            raise ValueError(f"--lookup must be >= 0 and the lookup n-gram >= 1, got {lookup} and {lookup_ngram}")
+        if draft is None:
+            if lookup < 1 or static is not None:
+                raise ValueError("without a draft, a round's guesses come from prompt lookup: give lookup >= 1")
+            tree_top_k, tree_depth, tree_tokens = 0, 0, 1  # the root alone, then the lookup chain
+        elif static is not None:
+            vocab = getattr(draft, "draft_vocab_size", target.config.vocab_size)
             tree_depth, tree_tokens = static.max_depth, static.parents.numel()
             if static.n_ranks > vocab:
                 raise ValueError(f"the static tree uses child rank {static.n_ranks - 1}, the draft's vocabulary has "
                                  f"{vocab} tokens")
         else:
+            vocab = getattr(draft, "draft_vocab_size", target.config.vocab_size)  # what the draft chooses from
             if not 1 <= tree_top_k <= vocab:
                 raise ValueError(f"--tree_top_k must be in [1, {vocab}], got {tree_top_k}")
             if tree_depth < 1:
@@ -123,14 +134,20 @@ class Speculator(nn.Module):
                 raise ValueError(f"--tree_tokens must be in [2, {most}] for top_k {tree_top_k} and depth {tree_depth}, "
                                  f"got {tree_tokens}")
         self.target, self.draft, self.static = target, draft, static
-        self.tree_top_k, self.depth, self.n_nodes = tree_top_k, tree_depth, tree_tokens
+        self.tree_top_k, self.tree_depth, self.tree_tokens = tree_top_k, tree_depth, tree_tokens  # the draft's tree
+        self.lookup, self.lookup_ngram = lookup, lookup_ngram
+        self.depth = tree_depth + lookup    # the most guesses a round can accept
+        self.n_nodes = tree_tokens + lookup  # the tokens a round verifies
+        self.layer_ids = () if draft is None else draft.layer_ids
         self.sampling = (temperature, top_k, top_p)
         self.register_buffer("stop_ids", torch.tensor(sorted(stop_ids), dtype=torch.long), persistent=False)
-        self.feature_dim = target.config.dim * max(1, len(draft.layer_ids))  # EAGLE-3 reads three layers
+        self.feature_dim = 0 if draft is None else target.config.dim * max(1, len(draft.layer_ids))  # EAGLE-3: 3 layers
         self.capacity = 0
 
     def draft_region(self) -> int:
-        return self.n_nodes - 1 if self.static is not None else dynamic_tree_slots(self.tree_top_k, self.depth)
+        if self.draft is None:
+            return 0
+        return self.tree_tokens - 1 if self.static is not None else dynamic_tree_slots(self.tree_top_k, self.tree_depth)
 
     def setup(self, batch_size: int, max_seq_length: int):
         """Caches and state for batch_size rows of up to max_seq_length tokens each, plus the
@@ -142,14 +159,17 @@ class Speculator(nn.Module):
         if self.static is not None:
             self.static = self.static.to(device)
         self.target.setup_caches(batch_size, max_seq_length + self.n_nodes)
-        self.draft.setup_caches(batch_size, max_seq_length + self.draft_region())
-        self.capacity = min(self.target.max_seq_length - self.n_nodes, self.draft.max_seq_length - self.draft_region())
+        self.capacity = self.target.max_seq_length - self.n_nodes
+        if self.draft is not None:
+            self.draft.setup_caches(batch_size, max_seq_length + self.draft_region())
+            self.capacity = min(self.capacity, self.draft.max_seq_length - self.draft_region())
         B, D1 = batch_size, self.depth + 1
         if getattr(self, "out", None) is not None and self.out.shape == (B, self.capacity):
             return
         long = dict(dtype=torch.long, device=device)
         for name, value in dict(
             prefix_len=torch.zeros(B, **long), root=torch.zeros(B, **long),
+            history=torch.zeros(B, self.capacity + D1 + 1, **long),  # + a round's overshoot
             cu_tokens=torch.zeros(B, D1, **long), cu_count=torch.zeros(B, **long),
             cu_features=torch.zeros(B, D1, self.feature_dim, dtype=self.target.norm.weight.dtype, device=device),
             out=torch.zeros(B, self.capacity, **long), n_out=torch.zeros(B, **long),
@@ -164,17 +184,21 @@ class Speculator(nn.Module):
             self.setup(B, L + max_new_tokens + 2 * (self.depth + 1))  # room for the last round's overshoot
         target, device = self.target, prompt.device
         logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
-                                             layer_ids=self.draft.layer_ids)
-        features = self.draft.select_features(final, layer_inputs)
+                                             layer_ids=self.layer_ids)
         root = sample(logits[:, -1], *self.sampling)
-        if L > 1:  # draft position t holds (f_t, tok_{t+1}); the last one, (f_{L-1}, root), is caught up in round 1
-            self.draft(target.tok_embeddings(prompt[:, 1:]), features[:, :-1], torch.arange(L - 1, device=device))
+        self.cu_tokens.zero_()
+        self.cu_features.zero_()
+        if self.draft is not None:
+            features = self.draft.select_features(final, layer_inputs)
+            if L > 1:  # draft position t holds (f_t, tok_{t+1}); the last one, (f_{L-1}, root), is caught up in round 1
+                self.draft(target.tok_embeddings(prompt[:, 1:]), features[:, :-1], torch.arange(L - 1, device=device))
+            self.cu_features[:, 0] = features[:, -1]
         self.prefix_len.fill_(L)
         self.root.copy_(root)
-        self.cu_tokens.zero_()
+        self.history.zero_()
+        self.history[:, :L] = prompt
+        self.history[:, L] = root
         self.cu_tokens[:, 0] = root
-        self.cu_features.zero_()
-        self.cu_features[:, 0] = features[:, -1]
         self.cu_count.fill_(1)
         self.out.zero_()
         self.out[:, 0] = root
@@ -186,17 +210,18 @@ class Speculator(nn.Module):
         """One speculative round over all rows; rows that are done are left as they are. Its phases
         are methods of their own so that scripts/profile_round.py can time each; compiled, the
         round is still one graph (they are traced inline)."""
-        root_hidden = self.catch_up()
-        tree = self.grow(root_hidden)
+        tree = self.root_tree() if self.draft is None else self.grow(self.catch_up())
+        if self.lookup:
+            tree = self.add_lookup(tree)
         logits, features = self.verify(tree)
         node, n_accepted, bonus = accept(tree, logits, *self.sampling)  # the path to node, then the target's token
         path = self.compact(tree, node)
         self.advance(tree, path, n_accepted, bonus, features)
 
     def catch_up(self) -> Tensor:
-        """The draft reads the pairs accepted last round, at positions L - cu_count ... (unused
-        trailing entries are overwritten later). Returns its output at the root [B, dim], which
-        predicts the root's children."""
+        """The draft reads the pairs accepted since it last ran, at positions L - cu_count ...
+        (unused trailing entries are overwritten later). Returns its output at the root [B, dim],
+        which predicts the root's children."""
         B, device = self.root.size(0), self.root.device
         steps = torch.arange(self.depth + 1, device=device)
         hidden = self.draft(self.target.tok_embeddings(self.cu_tokens), self.cu_features,
@@ -208,19 +233,32 @@ class Speculator(nn.Module):
         target, draft = self.target, self.draft
         if self.static is None:
             return grow_dynamic_tree(draft, target.tok_embeddings, target.output, self.root, root_hidden,
-                                     self.prefix_len, self.tree_top_k, self.depth, self.n_nodes, with_pool)
+                                     self.prefix_len, self.tree_top_k, self.tree_depth, self.tree_tokens, with_pool)
         return grow_static_tree(draft, target.tok_embeddings, target.output, self.static, self.root, root_hidden,
                                 self.prefix_len)
 
+    def root_tree(self) -> Tree:
+        """The tree of the root alone (no draft: prompt lookup adds the guesses)."""
+        B, device = self.root.size(0), self.root.device
+        parents = torch.full((B, 1), -1, dtype=torch.long, device=device)
+        return Tree(self.root[:, None], parents, *tree_structure(parents, 0))
+
+    def add_lookup(self, tree: Tree) -> Tree:
+        """tree plus prompt lookup's chain of guesses, grafted below the deepest node whose path
+        it repeats (tree.graft_chain)."""
+        D = tree.paths.size(-1) - 1
+        chain, _, _ = lookup_continuation(self.history, self.prefix_len + 1, D + self.lookup, self.lookup_ngram)
+        return graft_chain(tree, chain, self.lookup)
+
     def verify(self, tree: Tree):
         """One target forward over all nodes, kept in the last n_nodes slots of its cache. Returns the
-        logits at every node and what the draft reads there (its features)."""
+        logits at every node and what the draft reads there (its features; None without a draft)."""
         target, L = self.target, self.prefix_len
         region_start = target.max_seq_length - self.n_nodes
         logits, final, layer_inputs = target(
             tree.tokens, L[:, None] + tree.depth, region_start + torch.arange(self.n_nodes, device=L.device),
-            TreeMask(L, tree.ancestors), return_features=True, layer_ids=self.draft.layer_ids)
-        return logits, self.draft.select_features(final, layer_inputs)
+            TreeMask(L, tree.ancestors), return_features=True, layer_ids=self.layer_ids)
+        return logits, None if self.draft is None else self.draft.select_features(final, layer_inputs)
 
     def compact(self, tree: Tree, node: Tensor) -> Tensor:
         """Copy the accepted nodes' K/V from the tree region to the slots after the prefix, in every
@@ -232,7 +270,7 @@ class Speculator(nn.Module):
                    self.prefix_len[:, None] + torch.arange(self.depth + 1, device=device))
         return path
 
-    def advance(self, tree: Tree, path: Tensor, n_accepted: Tensor, bonus: Tensor, features: Tensor):
+    def advance(self, tree: Tree, path: Tensor, n_accepted: Tensor, bonus: Tensor, features: Optional[Tensor]):
         """The new tokens: the accepted guesses, then the bonus token. They are also the draft's next
         catch-up input, paired with the target's true features at root, node 1, ..., node m."""
         B, device = path.size(0), path.device
@@ -242,42 +280,179 @@ class Speculator(nn.Module):
         n_new = n_accepted + 1
         active = ~self.done
         self.out.scatter_(1, self.n_out[:, None] + steps, new_tokens)  # a done row's n_out stays: nothing lands
+        self.history.scatter_(1, self.prefix_len[:, None] + 1 + steps, new_tokens)  # likewise past its text
         stop_hit = (torch.isin(new_tokens, self.stop_ids) & (steps <= n_accepted[:, None])).any(1)
         self.n_out.add_(n_new * active)
         self.prefix_len.add_(n_new * active)
         self.root.copy_(torch.where(active, bonus, self.root))
-        self.cu_tokens.copy_(torch.where(active[:, None], new_tokens, self.cu_tokens))
-        self.cu_features.copy_(torch.where(active[:, None, None], features[rows[:, None], path.clamp(min=0)], self.cu_features))
-        self.cu_count.copy_(torch.where(active, n_new, self.cu_count))
+        if self.draft is not None:
+            self.cu_tokens.copy_(torch.where(active[:, None], new_tokens, self.cu_tokens))
+            self.cu_features.copy_(torch.where(active[:, None, None], features[rows[:, None], path.clamp(min=0)],
+                                               self.cu_features))
+            self.cu_count.copy_(torch.where(active, n_new, self.cu_count))
         self.done.copy_(self.done | stop_hit | (self.n_out >= self.limit))
+
+    # --- plain steps between rounds (speculative_generate's adaptive mode) ---------------------
+    def plain_step(self):
+        """One vanilla decode step in the speculative state: the target reads the root at slot
+        prefix_len (no tree) and samples the next token exactly as generate() does. The pair
+        (root's feature, next token) joins the draft's catch-up input, so that a later round starts
+        where the draft left off; it holds depth + 1 pairs, and flush() makes room."""
+        B, device = self.root.size(0), self.root.device
+        rows = torch.arange(B, device=device)
+        logits, final, layer_inputs = self.target(self.root[:, None], self.prefix_len[:, None], return_features=True,
+                                                  layer_ids=self.layer_ids)
+        nxt = sample(logits[:, -1], *self.sampling)
+        active = ~self.done
+        # A done row writes nothing new: its slots get their old values back (static shapes).
+        at = self.n_out.clamp(max=self.out.size(1) - 1)
+        self.out[rows, at] = torch.where(active, nxt, self.out[rows, at])
+        at = self.prefix_len + 1
+        self.history[rows, at] = torch.where(active, nxt, self.history[rows, at])
+        if self.draft is not None:
+            feature = self.draft.select_features(final, layer_inputs)[:, 0]
+            at = self.cu_count.clamp(max=self.depth)
+            self.cu_tokens[rows, at] = torch.where(active, nxt, self.cu_tokens[rows, at])
+            self.cu_features[rows, at] = torch.where(active[:, None], feature, self.cu_features[rows, at])
+            self.cu_count.add_(active.long())
+        self.n_out.add_(active.long())
+        self.prefix_len.add_(active.long())
+        self.root.copy_(torch.where(active, nxt, self.root))
+        self.done.copy_(self.done | (active & torch.isin(nxt, self.stop_ids)) | (self.n_out >= self.limit))
+
+    def flush(self):
+        """The draft reads the catch-up pairs that plain steps gathered; the last one stays for the
+        next round's catch-up (which reads it again: the same entry, rewritten)."""
+        B, device = self.root.size(0), self.root.device
+        rows = torch.arange(B, device=device)
+        self.catch_up()
+        last = (self.cu_count - 1).clamp(min=0)
+        self.cu_tokens[:, 0] = self.cu_tokens[rows, last]
+        self.cu_features[:, 0] = self.cu_features[rows, last]
+        self.cu_count.copy_(self.cu_count.clamp(max=1))
+
+    def lookup_signal(self) -> Tensor:
+        """[B]: the n-gram length of prompt lookup's match at the text's end now (0: none)."""
+        return lookup_continuation(self.history, self.prefix_len + 1, 1, self.lookup_ngram)[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive decoding. A tree pays only while the text is predictable: the driver keeps running
+# estimates of what a round costs and emits on this answer, and of what a plain step costs, and
+# decodes with whichever is faster now. In a plain stretch it probes with a round now and then, and
+# at once when prompt lookup sees a long match at the text's end (the text has started to repeat).
+# The decisions are the host's, between graphs that are each compiled once: no recompilation.
+# ---------------------------------------------------------------------------------------------
+ADAPT_DECAY = 0.5        # weight of the newest observation in a running estimate
+PLAIN_BURST = 8          # plain steps between two looks at the state (stop, lookup, probe)
+PROBE_EVERY = 32         # plain steps before a probe round
+LOOKUP_TRIGGER = 3       # a lookup match of this many tokens ends a plain stretch
+
+
+class Pace(NamedTuple):
+    """The driver's running estimates. Costs (seconds) are the machine's and carry over from one
+    answer to the next (kept on the Speculator); tokens per round are this answer's. The first
+    round and the first plain burst of a Speculator are not counted: they include compilation."""
+    round_s: Optional[float] = None
+    step_s: Optional[float] = None
+    tokens: Optional[float] = None  # tokens a round emits (bonus included), decayed
+    seen: frozenset = frozenset()   # "round", "plain": kinds observed at least once
+
+
+def observe(pace: Pace, kind: str, seconds: float, tokens: float = 1.0) -> Pace:
+    """pace after a round (kind "round": its seconds and the tokens it emitted per row) or a plain
+    step (kind "plain": seconds per step)."""
+    if kind == "round":
+        pace = pace._replace(tokens=decayed(pace.tokens, tokens))
+    if kind not in pace.seen:
+        return pace._replace(seen=pace.seen | {kind})
+    if kind == "round":
+        return pace._replace(round_s=decayed(pace.round_s, seconds))
+    return pace._replace(step_s=decayed(pace.step_s, seconds))
+
+
+def decayed(old: Optional[float], new: float) -> float:
+    return new if old is None else (1 - ADAPT_DECAY) * old + ADAPT_DECAY * new
+
+
+def rounds_pay(pace: Pace) -> bool:
+    """Whether a round is predicted to emit tokens faster than plain steps do."""
+    return pace.tokens / pace.round_s >= 1 / pace.step_s
+
+
+def next_mode(pace: Pace, plain_run: int) -> str:
+    """The adaptive driver's choice: measure what is unmeasured (rounds first), then whichever is
+    faster; a plain stretch probes with a round every PROBE_EVERY steps."""
+    if pace.round_s is None or pace.tokens is None:
+        return "round"
+    if pace.step_s is None:
+        return "plain"
+    if rounds_pay(pace):
+        return "round"
+    return "round" if plain_run >= PROBE_EVERY else "plain"
 
 
 @torch.no_grad()
 def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
-                         callback: Optional[Callable[[Tensor], None]] = None, round_fn=None):
+                         callback: Optional[Callable[[Tensor], None]] = None, round_fn=None, adaptive: bool = False,
+                         force_modes=None):
     """Like generate(), with EAGLE rounds. Returns (per-row token lists, per-row lists of the number
-    of tokens each round emitted). One host sync per round: to stop, stream and count."""
+    of tokens each target forward emitted: a round's, or 1 for a plain step). One host sync per
+    round or plain burst: to stop, stream, count and decide.
+
+    adaptive: switch between rounds and plain steps (spec.plain_step, spec.flush) by the running
+    estimates above. force_modes: an iterator of "round" / "plain" that decides instead (tests)."""
     spec.prefill(prompt, max_new_tokens)
     round_fn = round_fn or spec.round
     B = prompt.size(0)
     n_out, done = [1] * B, spec.done.tolist()
-    accepted = [[] for _ in range(B)]
+    emitted = [[] for _ in range(B)]
+    pace = getattr(spec, "pace", Pace())._replace(tokens=None)
+    cu_count, plain_run = 1, 0
     if callback is not None:
         callback(spec.out[:, 0])
     while not all(done):
-        round_fn()
-        state = torch.cat([spec.n_out, spec.done.long()]).tolist()
-        new_n, done_now = state[:B], state[B:]
+        if force_modes is not None:
+            mode = next(force_modes)
+        else:
+            mode = next_mode(pace, plain_run) if adaptive else "round"
+        steps = 1
+        if mode == "plain":
+            if spec.draft is not None and spec.depth + 1 - cu_count < PLAIN_BURST:
+                spec.flush()  # room for the burst's pairs in the draft's catch-up input
+                cu_count = 1
+            steps = min(PLAIN_BURST, spec.depth + 1 - cu_count)
+        t = time.perf_counter()
+        if mode == "round":
+            round_fn()
+        else:
+            for _ in range(steps):
+                spec.plain_step()
+        signal = spec.lookup_signal() if spec.lookup and mode == "plain" else torch.zeros_like(spec.n_out)
+        state = torch.cat([spec.n_out, spec.done.long(), spec.cu_count, signal]).tolist()
+        seconds = time.perf_counter() - t
+        new_n, done_now, cu = state[:B], state[B:2 * B], state[2 * B:3 * B]
         if callback is not None:
-            for t in spec.out[0, n_out[0]:new_n[0]].tolist():
-                callback(torch.tensor([t]))
-        for b in range(B):
-            if not done[b]:
-                accepted[b].append(new_n[b] - n_out[b])
+            for tok in spec.out[0, n_out[0]:new_n[0]].tolist():
+                callback(torch.tensor([tok]))
+        active = [b for b in range(B) if not done[b]]
+        for b in active:
+            emitted[b] += [new_n[b] - n_out[b]] if mode == "round" else [1] * (new_n[b] - n_out[b])
+        if mode == "round":
+            made = sum(new_n[b] - n_out[b] for b in active) / max(1, len(active))
+            pace = observe(pace, "round", seconds, made)
+            plain_run = 0
+        else:
+            pace = observe(pace, "plain", seconds / steps)
+            plain_run += steps
+            if max(state[3 * B:]) >= LOOKUP_TRIGGER:
+                plain_run = PROBE_EVERY  # the text repeats itself: try a round now
+        cu_count = max(cu[b] for b in active) if active else 1
         n_out, done = new_n, [bool(d) for d in done_now]
+    spec.pace = pace
     out = spec.out.tolist()
     stop_ids = set(spec.stop_ids.tolist())
-    return [cut_at_stop(out[b][:min(n_out[b], max_new_tokens)], stop_ids) for b in range(B)], accepted
+    return [cut_at_stop(out[b][:min(n_out[b], max_new_tokens)], stop_ids) for b in range(B)], emitted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,9 +486,23 @@ class ShapeCosts(NamedTuple):
     grow: dict      # {top_k: (the tree's first level, each further level)}
     other: float    # the rest of a round: catch-up, acceptance, compaction, bookkeeping
 
-    def round(self, top_k: int, depth: int, tokens: int) -> float:
+    def round(self, top_k: int, depth: int, tokens: int, lookup: int = 0) -> float:
+        """A round of a dynamic tree of this shape, plus lookup's chain of nodes in the verify."""
         first, level = self.grow[top_k]
-        return self.other + first + (depth - 1) * level + self.verify[tokens]
+        return self.other + first + (depth - 1) * level + self.verify_at(tokens + lookup)
+
+    def verify_at(self, tokens: int) -> float:
+        """verify(tokens); where it was not measured, on the line through the two measured sizes
+        around it (the nearest two, past either end)."""
+        if tokens in self.verify:
+            return self.verify[tokens]
+        sizes = sorted(self.verify)
+        if len(sizes) == 1:
+            return self.verify[sizes[0]]
+        i = min(max(bisect.bisect(sizes, tokens), 1), len(sizes) - 1)
+        t0, t1 = sizes[i - 1], sizes[i]
+        v0, v1 = self.verify[t0], self.verify[t1]
+        return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
 
 
 def predicted_tau(probes: list, depth: int, tokens: int) -> float:
@@ -338,7 +527,7 @@ def most_tokens(top_k: int, depth: int) -> int:
 
 
 def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS,
-                 min_speedup: float = AUTO_MIN_SPEEDUP):
+                 min_speedup: float = AUTO_MIN_SPEEDUP, lookup: int = 0):
     """The rule of --tree_tokens auto, a pure function of measured costs and probes.
 
     acceptance: {top_k: probes (predicted_tau)}. Returns (the best shape as dict(tree_top_k,
@@ -353,7 +542,7 @@ def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS
                 if k not in costs.grow or T not in costs.verify or not 2 <= T <= most_tokens(k, d):
                     continue
                 tau = predicted_tau(probes, d, T)
-                cost = costs.round(k, d, T) / costs.step
+                cost = costs.round(k, d, T, lookup) / costs.step  # lookup's nodes cost, their gain is not counted
                 table.append((tau / cost, tau, cost, dict(tree_top_k=k, tree_depth=d, tree_tokens=T)))
     table.sort(key=lambda row: -row[0])
     best = table[0] if table and table[0][0] >= min_speedup else None
@@ -478,7 +667,8 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
 
 
 def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
-                cuda_graphs: bool = False, compiled_cpu: bool = False, cache_key: Optional[dict] = None, **sampling):
+                cuda_graphs: bool = False, compiled_cpu: bool = False, cache_key: Optional[dict] = None,
+                lookup: int = 0, **sampling):
     """measure_shapes (or its cached result) and choose_shape: (choice, table, costs, how it got
     the costs). cache_key: what identifies the measurement (machine, model, head, dtype, mode,
     sampling); with it, the costs and probes are kept in auto_cache_dir() and a second run reads
@@ -502,7 +692,7 @@ def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, 
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"costs": costs._asdict(), "acceptance": acceptance}, cache)
-    return (*choose_shape(costs, acceptance, depths, tokens), costs, how)
+    return (*choose_shape(costs, acceptance, depths, tokens, lookup=lookup), costs, how)
 
 
 def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[dict]:
@@ -706,9 +896,12 @@ def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
         raise RuntimeError(f"compiling a round needs torch >= 2.8 (torch._dynamo.dont_skip_tracing), this is "
                            f"torch {torch.__version__}: upgrade torch or run without --compile")
     device = spec.target.norm.weight.device
-    modules = (spec.target, spec.draft)
-    spec.round = compile_function(torch._dynamo.dont_skip_tracing(spec.round), device, modules,
-                                  options=ROUND_OPTIONS, backend=backend)
+    modules = (spec.target,) if spec.draft is None else (spec.target, spec.draft)
+    # The plain step and the flush of adaptive decoding are graphs of their own, compiled at their
+    # first call (a run that never steps plainly never compiles them).
+    for name in ("round", "plain_step", "flush"):
+        setattr(spec, name, compile_function(torch._dynamo.dont_skip_tracing(getattr(spec, name)), device, modules,
+                                             options=ROUND_OPTIONS, backend=backend))
     if compile_prefill:  # prompts vary in length: dynamic shapes, no CUDA graphs
         spec.prefill = compile_function(spec.prefill, device, modules, dynamic=True, options=PREFILL_OPTIONS,
                                         backend=backend)

@@ -157,3 +157,25 @@ def tree_attention_mask(visible: Tensor, prefix_len: Tensor, cache_len: int) -> 
     B, n, R = visible.shape
     prefix = torch.arange(cache_len - R, device=visible.device) < prefix_len[:, None]  # [B, cache_len - R]
     return torch.cat([prefix[:, None, :].expand(B, n, cache_len - R), visible], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid trees: a chain of guesses from elsewhere (prompt lookup) grafted onto a tree
+# ---------------------------------------------------------------------------------------------
+def graft_chain(tree: Tree, chain: Tensor, k: int) -> Tree:
+    """The tree with k more nodes: chain [B, D + k] guesses the tokens after the root in order
+    (D = the tree's depth). Its longest prefix that the tree already holds as a path from the root
+    is not repeated (it would be verified twice, and a duplicate sibling is never accepted); the
+    next k chain tokens hang below that path's last node, one under the other. The new nodes come
+    after the old ones (parents still precede children); the tree gets D + k levels."""
+    B, T = tree.tokens.shape
+    D = tree.paths.size(-1) - 1
+    steps = torch.arange(D, device=chain.device)
+    path_tokens = tree.tokens.gather(1, tree.paths.clamp(min=0).flatten(1)).view(B, T, D + 1)[:, :, 1:]
+    spells = ((path_tokens == chain[:, None, :D]) | (steps >= tree.depth[..., None])).all(-1)  # path = chain[:depth]
+    anchor = (tree.depth * spells).argmax(1)  # the deepest such node; the root always qualifies
+    matched = tree.depth.gather(1, anchor[:, None])  # [B, 1]
+    new = torch.arange(k, device=chain.device)
+    tokens = torch.cat([tree.tokens, chain.gather(1, matched + new)], 1)
+    parents = torch.cat([tree.parents, torch.cat([anchor[:, None], (T + new[:-1]).expand(B, k - 1)], 1)], 1)
+    return Tree(tokens, parents, *tree_structure(parents, D + k))

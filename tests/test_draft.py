@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import random_draft, tiny_target
 from checkpoint import DRAFT_CONFIG, load_draft, save_draft
-from draft import EagleDraft, draft_config_for, grow_dynamic_tree, grow_static_tree
+from draft import EagleDraft, draft_config_for, grow_dynamic_tree, grow_static_tree, lookup_continuation
 from tree import MIN_STEP, mc_sim_7b_63, static_tree
 
 
@@ -179,3 +179,40 @@ def test_load_errors(tmp_path):
     assert cfg.intermediate_size == 96
     with pytest.raises(ValueError, match="does not match"):
         load_draft(tmp_path / "bad", target.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt lookup
+# ---------------------------------------------------------------------------------------------
+def lookup(seq, k=4, size=16, max_ngram=4):
+    """draft.lookup_continuation on one hand-made sequence in a history of `size` slots."""
+    history = torch.zeros(1, size, dtype=torch.long)
+    history[0, :len(seq)] = torch.tensor(seq)
+    tokens, n_valid, ngram = lookup_continuation(history, torch.tensor([len(seq)]), k, max_ngram)
+    return tokens[0].tolist()[:int(n_valid[0])], int(ngram[0])
+
+
+def test_lookup_finds_no_match_in_text_that_never_repeats():
+    assert lookup([1, 2, 3, 4, 5]) == ([], 0)
+
+
+def test_lookup_prefers_the_longest_ngram_then_the_most_recent():
+    # ends with "3 9": "9" alone occurs at 1 and 5 (recent), but "3 9" only at 0..1: the bigram wins
+    assert lookup([3, 9, 4, 1, 7, 9, 2, 3, 9]) == ([4, 1, 7, 9], 2)
+    # ends with "4": two earlier 4s, no longer match: the most recent one's continuation
+    assert lookup([4, 1, 4, 2, 4]) == ([2, 4], 1)
+    # capped at max_ngram: a 6-token repeat counts as 3 with max_ngram 3, still the right place
+    assert lookup([5, 6, 7, 8, 9, 1, 5, 6, 7, 8, 9], max_ngram=3) == ([1, 5, 6, 7], 3)
+
+
+def test_lookup_match_at_the_very_end_has_a_short_continuation():
+    # "7 7 7 7": the match ending at position 2 overlaps the text's end; only one token follows it
+    assert lookup([7, 7, 7, 7]) == ([7], 3)
+    assert lookup([1, 2, 1, 2, 1]) == ([2, 1], 3)  # "1 2 1" at 0..2 repeats at 2..4: "2 1" follows
+
+
+def test_lookup_reads_each_row_up_to_its_own_length():
+    history = torch.tensor([[1, 2, 3, 1, 2, 9, 9, 9], [5, 5, 6, 5, 0, 0, 0, 0]])
+    tokens, n_valid, ngram = lookup_continuation(history, torch.tensor([5, 4]), 3)
+    assert tokens[0].tolist() == [3, 1, 2] and ngram[0] == 2 and n_valid[0] == 3  # "1 2" at 0..1
+    assert tokens[1, :1].tolist() == [6] and ngram[1] == 1 and n_valid[1] == 2  # "5" at 1: then 6, 5

@@ -154,7 +154,7 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
     out = tmp_path / "compare.json"
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
                        "--speculate", "eagle2", "--tree_tokens", "16", "--compare", "--max_new_tokens", "40",
-                       "--device", "cpu", "--no-compile", "--output_json", str(out)])
+                       "--device", "cpu", "--no-compile", "--no-adaptive", "--output_json", str(out)])
     err = capsys.readouterr().err
     assert report["identical"] and report["plain"]["token_ids"] == report["speculative"]["token_ids"]
     assert report["speculative"]["mean_accepted"] > 2 and report["plain"]["mean_accepted"] == 1.0

@@ -2,6 +2,7 @@
 token, sampled output is distributed exactly as vanilla sampling, and the KV cache after the
 rounds equals vanilla's."""
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -203,6 +204,94 @@ def test_greedy_equals_vanilla_on_smollm2(smollm2_checkpoint):
         expected = vanilla(target, prompt, 24, stop_ids=tokenizer.stop_ids)
         for method, spec in specs.items():
             assert speculative.speculative_generate(spec, prompt, 24)[0] == expected, (method, text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt lookup, hybrid trees, and adaptive decoding (rounds and plain steps mixed)
+# ---------------------------------------------------------------------------------------------
+def repetitive_prompts(count, vocab, seed=0):
+    """Prompts that repeat themselves, so that prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        base = torch.randint(0, vocab, (1, int(torch.randint(3, 8, (1,), generator=g))), generator=g)
+        out.append(torch.cat([base, base, base[:, :2]], 1))
+    return out
+
+
+HYBRIDS = {
+    "lookup": lambda t, d: speculative.Speculator(t, None, lookup=6),
+    "eagle+lookup": lambda t, d: speculative.Speculator(t, d, static=static_tree(mc_sim_7b_63), lookup=4),
+    "eagle2+lookup": lambda t, d: speculative.Speculator(t, d, tree_top_k=4, tree_depth=3, tree_tokens=10, lookup=5),
+    "eagle3+lookup": lambda t, d: speculative.Speculator(t, d, tree_top_k=4, tree_depth=3, tree_tokens=10, lookup=5),
+}
+
+
+@pytest.mark.parametrize("method", HYBRIDS)
+@pytest.mark.parametrize("modes", ["rounds", "switching", "adaptive"])
+@torch.no_grad()
+def test_greedy_equals_vanilla_with_lookup_and_switching(method, modes):
+    """Lookup chains in the tree, rounds and plain steps mixed mid-answer (forced: round, plain
+    burst, plain burst, round, ...; or chosen by the adaptive driver): vanilla's tokens."""
+    target, draft = eagle3_pair() if method.startswith("eagle3") else mirrored_pair()
+    spec = HYBRIDS[method](target, draft)
+    lookups = 0
+    for prompt in repetitive_prompts(6, 512):
+        forced = itertools.cycle(["round", "plain", "plain", "round"]) if modes == "switching" else None
+        ids, emitted = speculative.speculative_generate(spec, prompt, 40, force_modes=forced,
+                                                        adaptive=modes == "adaptive")
+        assert ids == vanilla(target, prompt, 40)
+        assert sum(emitted[0]) + 1 >= len(ids[0])  # + the first token (prefill); a round may overshoot
+        lookups += max(emitted[0]) > 1
+    assert lookups >= 3  # rounds accepted guesses
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["lookup", "eagle2+lookup"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (1.0, None, 0.8)])
+@torch.no_grad()
+def test_sampling_with_lookup_branches_matches_vanilla_distribution(temperature, top_k, top_p, with_draft):
+    """Lookup's chain is one more point-mass proposal per node in rank order: the joint law of the
+    first three tokens is vanilla's (chi-square), and not a slightly hotter one's. The prompt
+    repeats itself, so the chain is real; without a draft every accepted guess is lookup's."""
+    V, N = 8, 20_000
+    target, draft = mirrored_pair(seed=11, vocab_size=V)
+    prompt = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    exact = exact_first_three(target, prompt, temperature, top_k, top_p)
+    hotter = exact_first_three(target, prompt, temperature * 1.15, top_k, top_p)
+    shape = dict(tree_top_k=2, tree_depth=2, tree_tokens=4) if with_draft else {}
+    spec = speculative.Speculator(target, draft if with_draft else None, lookup=3, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, **shape)
+    torch.manual_seed(5)
+    ids, per_round = speculative.speculative_generate(spec, prompt.expand(N, -1), 3)
+    first3 = torch.tensor([row[:3] for row in ids])
+    counts = torch.bincount(first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2], minlength=V ** 3)
+    assert chi_square_p_value(counts, N * exact) > 1e-3
+    assert chi_square_p_value(counts, N * hotter) < 1e-3
+    assert (torch.tensor([r[0] for r in per_round]) > 1).float().mean() > 0.05  # guesses were accepted
+
+
+def test_the_adaptive_choice_on_synthetic_estimates():
+    """Rounds while they emit tokens faster than plain steps, plain steps otherwise; unmeasured
+    costs are measured first (rounds, then a plain burst); a plain stretch probes with a round
+    every PROBE_EVERY steps; the first observation of each kind (compilation) is not counted."""
+    Pace, choose = speculative.Pace, speculative.next_mode
+    assert choose(Pace(), 0) == "round"
+    assert choose(Pace(round_s=0.03, tokens=2.0), 0) == "plain"  # the step's cost is unknown
+    fast = Pace(round_s=0.03, step_s=0.02, tokens=2.0)  # 67 tok/s against 50
+    slow = Pace(round_s=0.03, step_s=0.02, tokens=1.3)  # 43 tok/s against 50
+    assert choose(fast, 0) == "round" and choose(slow, 0) == "plain"
+    assert choose(slow, speculative.PROBE_EVERY - 1) == "plain" and choose(slow, speculative.PROBE_EVERY) == "round"
+    # a history: compile-time first observations ignored, then the estimates decay toward the news
+    pace = speculative.observe(Pace(), "round", 60.0, 3.0)  # compiling: not counted as a cost
+    assert pace.round_s is None and pace.tokens == 3.0
+    pace = speculative.observe(pace, "plain", 40.0)
+    pace = speculative.observe(pace, "plain", 0.02)
+    for _ in range(3):
+        pace = speculative.observe(pace, "round", 0.03, 3.0)
+    assert choose(pace, 0) == "round"  # 100 tok/s against 50
+    for _ in range(6):  # the text turns unpredictable: one token a round
+        pace = speculative.observe(pace, "round", 0.03, 1.0)
+    assert pace.tokens < 1.1 and choose(pace, 0) == "plain"
 
 
 # ---------------------------------------------------------------------------------------------

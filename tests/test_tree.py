@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from tree import MIN_STEP, expand, mc_sim_7b_63, rerank, static_tree, tree_attention_mask, tree_structure
+from tree import MIN_STEP, Tree, expand, mc_sim_7b_63, rerank, static_tree, tree_attention_mask, tree_structure
 
 
 def brute_force_structure(parents):
@@ -115,3 +115,22 @@ def test_tree_attention_mask():
     assert mask[0, :, :7].sum(-1).tolist() == [2, 2, 2] and mask[0, :, :2].all()  # prefix of 2 only
     assert mask[1, :, :7].sum(-1).tolist() == [4, 4, 4] and mask[1, :, :4].all()
     assert torch.equal(mask[:, :, 7:], ancestors)  # the region: the last 3 slots
+
+
+def test_graft_chain_continues_the_path_it_repeats():
+    """A lookup chain that starts like an existing path is not verified twice: its rest hangs
+    below that path's last node; a chain the tree does not start goes below the root."""
+    from tree import graft_chain
+
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2]])
+    tree = Tree(torch.tensor([[9, 1, 2, 3, 4, 5]]), parents, *tree_structure(parents, 2))
+    grown = graft_chain(tree, torch.tensor([[1, 4, 7, 8, 6]]), 3)  # 1 -> 4 exists (node 4)
+    assert grown.tokens[0].tolist() == [9, 1, 2, 3, 4, 5, 7, 8, 6]
+    assert grown.parents[0].tolist() == [-1, 0, 0, 1, 1, 2, 4, 6, 7]
+    assert grown.depth[0].tolist() == [0, 1, 1, 2, 2, 2, 3, 4, 5]
+    assert grown.paths[0, 8].tolist() == [0, 1, 4, 6, 7, 8]
+    assert grown.ancestors[0, 8].nonzero().flatten().tolist() == [0, 1, 4, 6, 7, 8]
+    grown = graft_chain(tree, torch.tensor([[7, 7, 7, 7, 7]]), 3)  # no path starts with 7
+    assert grown.parents[0, 6:].tolist() == [0, 6, 7] and grown.depth[0, 6:].tolist() == [1, 2, 3]
+    grown = graft_chain(tree, torch.tensor([[2, 6, 6, 6, 6]]), 2)  # 2 exists, 2 -> 6 does not
+    assert grown.parents[0, 6:].tolist() == [2, 6] and grown.tokens[0, 6:].tolist() == [6, 6]
