@@ -9,6 +9,10 @@ Methods, run in one process on exactly the same prompts so that their ratios are
     eagle    EAGLE-1's static tree mc_sim_7b_63 (26 nodes, depth 5)
     eagle2   EAGLE-2's dynamic tree (--tree_top_k, --tree_depth, --tree_tokens; "auto" measures)
     eagle3   an EAGLE-3 head (--draft3_checkpoint_path) growing the dynamic tree (--tree_depth3)
+    lookup   prompt lookup alone (--lookup_alone guesses from the longest earlier match), no draft
+    eagle2+lookup, eagle3+lookup   the dynamic tree with --lookup more nodes of lookup's guesses,
+             decoded adaptively (rounds or plain steps, whichever is faster as the answer goes):
+             what generate.py runs for --speculate eagle2/eagle3 by default
 at each of --temperatures (default 0 and 1). Every MT-bench question is asked in its two turns
 with the chat template: turn 1 is answered, the answer appended, then turn 2 is answered. Turn 2
 follows vanilla's answer to turn 1 at the same temperature for every method, so that all methods
@@ -72,9 +76,12 @@ from model import ModelArgs, Transformer, pack_linears, set_attention_backend  #
 from quantize import pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
-METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3")
-HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}  # which head a method runs
+METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
+HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3", "lookup": None,
+           "eagle2+lookup": "eagle", "eagle3+lookup": "eagle3"}  # which head a method runs (lookup: none)
+ADAPTIVE = ("eagle2+lookup", "eagle3+lookup")  # decoded with speculative_generate(adaptive=True)
 PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods (vanilla stays the reference)
+EAGER_FLOAT32 = "vanilla_eager_float32"  # --eager_float32: plain decoding as the CPU ran it before --compile
 RANDOM_METHODS = ("eagle", "eagle2", "eagle3")  # random-weights mode: one round of each
 # The shared data folder sits beside the checkout on the development machine and inside it on the GPU machine.
 QUESTION_FILES = [ROOT.parent / "shared/data/mt_bench/question.jsonl", ROOT / "shared/data/mt_bench/question.jsonl"]
@@ -99,6 +106,9 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
     p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
+    p.add_argument("--lookup", type=int, default=8, help="eagle2+lookup, eagle3+lookup: lookup nodes per tree")
+    p.add_argument("--lookup_alone", type=int, default=10,
+                   help="lookup: guesses per round (as transformers' prompt_lookup_num_tokens, default 10)")
     p.add_argument("--tree_top_k", type=int, default=None,
                    help="eagle2/eagle3 (and random weights): children per node (default 10; auto: searched unless given)")
     p.add_argument("--tree_depth", type=int, default=None,
@@ -121,6 +131,9 @@ def parse_args(argv=None):
                    help="also run transformers' generate and its prompt-lookup decoding on the same checkpoint "
                         "(needs transformers from requirements-dev.txt)")
     p.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="--peers: hf_prompt_lookup's candidates per forward")
+    p.add_argument("--eager_float32", action="store_true",
+                   help=f"also run plain decoding eager in float32 on a float32 copy of the weights ({EAGER_FLOAT32}), "
+                        f"the CPU default before compiled runs: the baseline of the speed claims against it")
     p.add_argument("--time_budget", type=float, default=None,
                    help="seconds: start no new question (random weights: no new round) after this; recorded")
     p.add_argument("--dry_run", action="store_true",
@@ -189,9 +202,9 @@ def parse_args(argv=None):
                  "eagle3": args.draft3_checkpoint_path or args.checkpoint_path.parent / "eagle3"}
         args.draft_checkpoint_path, args.draft3_checkpoint_path = heads["eagle"], heads["eagle3"]
         if args.methods is None:  # every method whose head is on disk
-            args.methods = [m for m in METHODS[1:] if heads[HEAD_OF[m]].exists()]
+            args.methods = [m for m in METHODS[1:] if HEAD_OF[m] is None or heads[HEAD_OF[m]].exists()]
         args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
-        for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:]):
+        for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None):
             if not heads[head].exists():
                 needing = " ".join(m for m in args.methods[1:] if HEAD_OF[m] == head)
                 flag = "--draft3_checkpoint_path" if head == "eagle3" else "--draft_checkpoint_path"
@@ -309,8 +322,18 @@ def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) 
     shapes = {}
     for method in args.methods[1:]:
         for T in args.temperatures:
+            if method == "lookup":
+                shapes[method, T] = dict(lookup=args.lookup_alone)
+                continue
             if method in statics:
                 shapes[method, T] = dict(static=statics[method])
+                continue
+            if method.endswith("+lookup"):  # the plain method's tree, and lookup's chain
+                base = method.removesuffix("+lookup")
+                shape = shapes.get((base, T)) or tree_shapes(
+                    argparse.Namespace(**{**vars(args), "methods": ["vanilla", base], "temperatures": [T]}),
+                    model, drafts, probes, stop_ids)[base, T]
+                shapes[method, T] = None if shape is None else dict(shape, lookup=args.lookup)
                 continue
             depth = args.tree_depth3 if method == "eagle3" else args.tree_depth
             if args.tree_tokens != "auto":
@@ -338,7 +361,7 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
     caches, allocated here once for the largest tree, before anything is compiled."""
     device = args.device
     shapes = tree_shapes(args, model, drafts, probes, stop_ids)
-    specs = {key: speculative.Speculator(model, drafts[HEAD_OF[key[0]]], stop_ids=stop_ids, temperature=key[1],
+    specs = {key: speculative.Speculator(model, drafts.get(HEAD_OF[key[0]]), stop_ids=stop_ids, temperature=key[1],
                                          **shape)
              for key, shape in shapes.items() if shape is not None}
     room = context + 2 * (max([s.depth for s in specs.values()], default=0) + 1)  # the last round's overshoot
@@ -358,13 +381,14 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
                                 decode_fn=gen.decode_one_token, **sampling)[0], None
         return decode
 
-    def speculative_decoder(spec):
+    def speculative_decoder(spec, adaptive):
         spec.setup(1, context + 2 * (spec.depth + 1))
         if args.compile:
             speculative.compile_round(spec, args.compile_prefill)
 
         def decode(prompt_ids, max_new_tokens):
-            ids, per_round = speculative.speculative_generate(spec, torch.tensor([prompt_ids], device=device), max_new_tokens)
+            ids, per_round = speculative.speculative_generate(spec, torch.tensor([prompt_ids], device=device),
+                                                              max_new_tokens, adaptive=adaptive)
             return ids[0], per_round[0]
         return decode
 
@@ -372,7 +396,7 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
     for T in args.temperatures:
         for method in args.methods:
             if (method, T) in specs:
-                decoders[method, T] = speculative_decoder(specs[method, T])
+                decoders[method, T] = speculative_decoder(specs[method, T], method in ADAPTIVE)
             else:  # vanilla, or a method for which --tree_tokens auto chose vanilla decoding
                 decoders[method, T] = vanilla(dict(temperature=T, top_k=None, top_p=None))
     return decoders, shapes
@@ -419,6 +443,20 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
     return decoders
 
 
+def eager_float32(args, stop_ids, context: int) -> dict:
+    """{(EAGER_FLOAT32, temperature): decode} for --eager_float32: generate() on a float32 copy of
+    the checkpoint, eager, as generate.py ran on a CPU before compiled runs were its default."""
+    model = load_model(args.checkpoint_path, args.device, torch.float32, args.shard)
+    model.setup_caches(1, context)
+
+    def plain(T):
+        def decode(prompt_ids, max_new_tokens):
+            prompt = torch.tensor([prompt_ids], device=args.device)
+            return gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T)[0], None
+        return decode
+    return {(EAGER_FLOAT32, T): plain(T) for T in args.temperatures}
+
+
 def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
     over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
@@ -441,7 +479,7 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
     for r in records:
         r["speedup"] = r["tokens_per_s"] / vanilla[r["temperature"], r["category"]]
-    order = {m: i for i, m in enumerate(METHODS + PEERS)}
+    order = {m: i for i, m in enumerate(METHODS + PEERS + (EAGER_FLOAT32,))}
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
 
 
@@ -457,9 +495,11 @@ def run_mt_bench(args, argv=None) -> dict:
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
     drafts = {head: load_draft(paths[head], model.config, device, draft_dtypes[head])
-              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:])}
+              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None)}
     for method in args.methods[1:]:
-        gen.check_head("eagle3" if method == "eagle3" else "eagle2", drafts[HEAD_OF[method]], paths[HEAD_OF[method]])
+        if HEAD_OF[method] is not None:
+            gen.check_head("eagle3" if HEAD_OF[method] == "eagle3" else "eagle2", drafts[HEAD_OF[method]],
+                           paths[HEAD_OF[method]])
     questions = load_questions(args.question_file, args.num_questions)
     start = time.perf_counter()
 
@@ -485,6 +525,9 @@ def run_mt_bench(args, argv=None) -> dict:
     if args.peers:  # run after ours, vanilla first
         decoders.update(peers)
         args.methods = [*args.methods, *PEERS]
+    if args.eager_float32:
+        decoders.update(eager_float32(args, tokenizer.stop_ids, context))
+        args.methods = [*args.methods, EAGER_FLOAT32]
 
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
     for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
@@ -542,8 +585,8 @@ def run_mt_bench(args, argv=None) -> dict:
                         peaks)
     for r in records:
         shape = shapes.get((r["method"], r["temperature"]))
-        r["tree_tokens"] = None if shape is None else shape["static"].parents.numel() if "static" in shape \
-            else shape["tree_tokens"]
+        r["tree_tokens"] = None if shape is None else (
+            shape["static"].parents.numel() if "static" in shape else shape.get("tree_tokens", 1)) + shape.get("lookup", 0)
     return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model),
                 drafts={head: str(paths[head]) for head in drafts},
                 question_file=str(args.question_file), questions=len(asked), questions_left_out=len(questions) - len(asked),
@@ -556,13 +599,16 @@ def method_notes(args, shapes) -> dict:
     notes = {"vanilla": "one target forward per token",
              "chain": f"static chain of {args.chain_depth} guesses (EAGLE-1/2 head, no tree)",
              "eagle": "EAGLE-1 static tree mc_sim_7b_63: 26 nodes, depth 5",
-             "eagle2": "EAGLE-2 dynamic tree (EAGLE-1/2 head)", "eagle3": "EAGLE-3 head, dynamic tree"}
+             "eagle2": "EAGLE-2 dynamic tree (EAGLE-1/2 head)", "eagle3": "EAGLE-3 head, dynamic tree",
+             "lookup": f"prompt lookup alone: {args.lookup_alone} guesses from the longest earlier match, no draft",
+             "eagle2+lookup": f"as eagle2, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively",
+             "eagle3+lookup": f"as eagle3, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively"}
 
     def shape_text(shape):
         return "vanilla decoding" if shape is None else \
             f"top_k {shape['tree_top_k']}, depth {shape['tree_depth']}, {shape['tree_tokens']} tokens"
 
-    for method in ("eagle2", "eagle3"):
+    for method in ("eagle2", "eagle3", "eagle2+lookup", "eagle3+lookup"):
         chosen = {T: shape for (m, T), shape in shapes.items() if m == method}
         if chosen:
             notes[method] += (" (--tree_tokens auto chose " if args.tree_tokens == "auto" else ": ") + ", ".join(
@@ -576,6 +622,7 @@ def method_notes(args, shapes) -> dict:
         notes["hf_prompt_lookup"] = (f"as hf, with prompt-lookup decoding (prompt_lookup_num_tokens "
                                      f"{args.prompt_lookup_num_tokens}): guesses copied from earlier n-grams of the "
                                      f"prompt and answer, checked in one forward")
+    notes[EAGER_FLOAT32] = "plain decoding, eager, float32 (a copy of the weights): the CPU default before --compile"
     return {m: notes[m] for m in args.methods}
 
 

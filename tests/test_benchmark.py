@@ -20,6 +20,18 @@ spec.loader.exec_module(bench)
 
 
 
+def test_eager_float32_baseline_row(tiny_checkpoint, tmp_path):
+    """--eager_float32: plain decoding eager in float32, a row of the same run (here, eager float32
+    anyway: the same tokens as vanilla at T=0)."""
+    checkpoint, questions = tiny_checkpoint
+    report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--methods",
+                         "vanilla", "--num_questions", "1", "--max_new_tokens", "16", "--device", "cpu",
+                         "--temperatures", "0", "--eager_float32", "--no_plot", "--out", str(tmp_path / "b")])
+    rows = {r["method"]: r for r in report["records"] if r["category"] == "overall"}
+    assert set(rows) == {"vanilla", bench.EAGER_FLOAT32} and rows[bench.EAGER_FLOAT32]["equal_to_vanilla"] == 1.0
+    assert "float32" in report["methods"][bench.EAGER_FLOAT32]
+
+
 def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
     checkpoint, questions = tiny_checkpoint
     out = tmp_path / "results" / "tiny"
@@ -44,8 +56,8 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
             assert r["equal_to_vanilla"] == 1.0  # lossless: every answer equals vanilla's
         else:
             assert r["equal_to_vanilla"] is None
-    # every answer: 2 questions x 2 turns x 5 methods x 2 temperatures
-    assert len(saved["answers"]) == 40
+    # every answer: 2 questions x 2 turns x 8 methods x 2 temperatures
+    assert len(saved["answers"]) == 2 * 2 * len(bench.METHODS) * 2 == 64
     assert {r["category"] for r in records} == {"overall", "writing", "coding"}
     # the mirrored draft is mostly right: rounds emit several tokens; vanilla's tau is 1 by definition
     assert overall["vanilla", 0.0]["mean_accepted"] == 1.0
@@ -54,6 +66,9 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
         assert r["mean_accepted"] > 2 and r["rounds"] < r["tokens"]
     assert overall["eagle2", 0.0]["tree_tokens"] == 12 and overall["eagle", 0.0]["tree_tokens"] == 26
     assert overall["eagle3", 0.0]["tree_tokens"] == 12 and "depth 8" in saved["methods"]["eagle3"]
+    # lookup alone guesses 10 tokens a round; the hybrids add 8 lookup nodes to the 12-token tree
+    assert overall["lookup", 0.0]["tree_tokens"] == 11 and overall["eagle2+lookup", 0.0]["tree_tokens"] == 20
+    assert "decoded adaptively" in saved["methods"]["eagle3+lookup"]
     markdown = out.with_suffix(".md").read_text()
     assert "| eagle2 | 0 |" in markdown and "| coding | 1 |" in markdown and saved["command"] in markdown
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
