@@ -36,6 +36,21 @@ def test_generate_batch_rows_of_different_lengths_equal_single_runs():
     assert rows[5][:len(prompts[5])] == prompts[5] and len(rows[5]) > len(prompts[5])
 
 
+def test_sample_rows_greedy_rows_and_top_k_draws():
+    """Greedy rows take the argmax; sampled rows draw among their top_k tokens with the softmax of
+    those logits over temperature."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]]).repeat(4000, 1)
+    temps = torch.tensor([0.0, 1.0]).repeat(2000)
+    tokens = te.sample_rows(logits, temps, top_k=2)
+    assert (tokens[0::2] == 1).all()
+    drawn = tokens[1::2]
+    assert set(drawn.tolist()) <= {1, 2}
+    p1 = torch.softmax(torch.tensor([2.0, 1.0]), 0)[0].item()
+    assert abs((drawn == 1).float().mean().item() - p1) < 0.04  # 2000 draws: 4 standard deviations
+    assert torch.equal(te.sample_rows(logits[:3], 0.0, None), torch.tensor([1, 1, 1]))
+
+
 @torch.no_grad()
 def test_target_features_equal_a_forward_of_each_sequence():
     """Teacher-forced features of sequences batched with padding equal each sequence's own forward:
