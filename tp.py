@@ -33,12 +33,13 @@ check_same_command; the same prompt); an all-reduce leaves the bit-identical sum
 element once and copy the result to all); the replicated computations after it run the same kernels
 on the same shapes, hence give the same bits (same GPU model; on a CPU the same thread count, from
 the same environment: torchrun sets OMP_NUM_THREADS=1 for every rank; inductor's kernel
-autotuning, which picks kernels by timing them, is kept off under tensor parallelism so that two
-ranks cannot pick two differently-rounding kernels); sampling draws from the same random stream
-(the same seed and the same sequence of draws on every rank). Then every rank grows the same tree, deterministically,
-takes the same acceptance decision, stops after the same round, and issues the same sequence of
-all-reduces. The one decision made from timings, --tree_tokens auto, is taken on rank 0 and
-broadcast (from_rank0). generate.py checks at the end that all ranks produced the same tokens.
+autotuning, which picks kernels by timing them, is kept off under tensor parallelism (no_autotuning,
+from init) so that two ranks cannot pick two differently-rounding kernels); sampling draws from the
+same random stream (the same seed and the same sequence of draws on every rank). Then every rank
+grows the same tree, deterministically, takes the same acceptance decision, stops after the same
+round, and issues the same sequence of all-reduces. The one decision made from timings,
+--tree_tokens auto, is taken on rank 0 and broadcast (from_rank0). generate.py checks at the end
+that all ranks produced the same tokens.
 
 Quantized targets are sharded after quantizing: each rank slices the int8/int4 file that
 quantize.py wrote, rather than quantizing its float shard itself. The ranks then compute with
@@ -54,6 +55,7 @@ Loading (checkpoint.load_model with a Shard): the file is memory-mapped and each
 only its slices; the replicated tensors stay views of the mapping. The page cache holds the file
 once for all ranks of a machine, so no rank ever holds the whole checkpoint in its own memory.
 """
+import atexit
 import os
 import sys
 from datetime import timedelta
@@ -68,6 +70,7 @@ from model import Experts, ModelArgs, Transformer
 from quantize import INT4_N_MULTIPLE
 
 DEFAULT_TIMEOUT_S = 600  # how long a rank waits for the others: to join, and at each collective
+_GROUP_NAME = None  # the default group's name, for all_reduce_sum (set by init)
 
 
 class Shard(NamedTuple):
@@ -100,10 +103,18 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device.startswith("cuda"):
+        # cuBLAS is deterministic with a fixed workspace only (no_autotuning asks for deterministic
+        # kernels); it must be set before the first cuBLAS call of the process.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         check_gpu_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count())
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    # Imported before the process group exists, on purpose: finish() must be able to free the group
+    # (see there). torch.distributed.nn.functional binds `group=group.WORLD` as a default argument of
+    # its functions when it is imported, and the first functional collective imports it: imported
+    # after init, those defaults would hold the default group for the rest of the process.
+    import torch.distributed.nn.functional  # noqa: F401
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as e:  # DistStoreError / DistNetworkError: nobody came
@@ -111,6 +122,12 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
         raise ValueError(f"tensor parallelism: rank {rank} waited {timeout_s:g} s and not all {world_size} ranks "
                          f"joined ({first}); start every rank with the same command (torchrun does), or raise "
                          f"--tp_timeout") from None
+    # A command that returns or exits early (an error, --compare, --interactive) still tears the group
+    # down while the interpreter is whole; after a finish() this does nothing.
+    atexit.register(finish)
+    global _GROUP_NAME
+    _GROUP_NAME = dist.group.WORLD.group_name
+    no_autotuning()  # before anything is compiled, by whichever command
     return Shard(rank, world_size), device
 
 
@@ -197,17 +214,67 @@ class _ErrorsOnly:
 
 
 def finish():
+    """Destroy the process group, and with it the backend's threads (gloo: a socket loop and two
+    workers), joined here while the interpreter is whole. That takes the last reference to the
+    group: anything still holding it keeps those threads running into the interpreter's teardown,
+    where they were destroyed in no set order and now and then killed the rank ("terminate called
+    without an active exception", SIGABRT, torchrun FAILED after a correct answer). Two holders
+    are kept out: torch.distributed.nn.functional's default arguments (imported before init) and
+    compiled graphs, which see the group only by name (all_reduce_sum)."""
     if active():
         dist.destroy_process_group()
+
+
+def no_autotuning():
+    """Keep inductor from choosing kernels by timing them, under tensor parallelism: two ranks
+    that time differently could pick two kernels that round differently, and diverge.
+
+    Set through torch.use_deterministic_algorithms: dynamo saves that flag before every frame it
+    compiles and restores it after, and newer torch sets inductor's deterministic mode from it, so
+    an inductor flag set on its own (as generate.py did) held for the first compiled graph only;
+    older torch, which has no deterministic mode, reads the flag into each kernel and then gives
+    pointwise and reduction kernels one configuration each instead of timing several. It also
+    makes the replicated eager ops pick their deterministic kernels where they have one, which two
+    ranks need as much (warn_only: an op without one warns, it does not fail). inductor_flags
+    turns off the other ways of timing. Returns the inductor flags set."""
+    import torch._inductor.config as inductor_config
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return inductor_flags(inductor_config)
+
+
+def inductor_flags(config) -> list:
+    """Inductor's config (config: its module, or a stand-in in the tests) set not to time kernels:
+    deterministic mode where torch has it, which covers every case; otherwise each way by its own
+    flag: several configurations of a pointwise kernel (and, in those versions, of a reduction:
+    triton.autotune_pointwise), a reduction's block halved when it spills (dynamic_scale_rblock),
+    padded against unpadded matmuls (shape_padding), fusions and templates (benchmark_fusion,
+    max_autotune*), coordinate descent and multi-kernels. Flags a version lacks are skipped."""
+    if hasattr(config, "deterministic"):
+        config.deterministic = True
+        return ["deterministic"]
+    settings = {"max_autotune": False, "max_autotune_gemm": False, "max_autotune_pointwise": False,
+                "coordinate_descent_tuning": False, "benchmark_fusion": False, "benchmark_epilogue_fusion": False,
+                "dynamic_scale_rblock": False, "shape_padding": False,
+                "triton.autotune_pointwise": False, "triton.multi_kernel": 0}
+    done = []
+    for name, value in settings.items():
+        owner, _, attr = name.rpartition(".")
+        target = getattr(config, owner, None) if owner else config
+        if target is not None and hasattr(target, attr):
+            setattr(target, attr, value)
+            done.append(name)
+    return done
 
 
 def all_reduce_sum(x: Tensor) -> Tensor:
     """The sum of x over all ranks. A functional collective: it returns a new tensor instead of
     writing into x, so torch.compile traces it into the graph (no graph break), and a decode step
-    or a speculative round stays one graph per rank."""
+    or a speculative round stays one graph per rank. The group is passed by name, a string: given
+    the group object, dynamo would keep it in every compiled graph (and finish() could not free it)."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+    return funcol.all_reduce(x, "sum", _GROUP_NAME)
 
 
 # ---------------------------------------------------------------------------------------------
