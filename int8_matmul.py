@@ -17,19 +17,27 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tree_attention import shared_memory_limit  # the device's per-block limit (and the table by GPU)
+
 # As in tree_attention.py: Triton's interpreter (TRITON_INTERPRET=1 when this module is imported)
 # runs the kernel on CPU tensors, as the tests do; otherwise it needs CUDA tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
-# Launch constants, to be tuned on the GPU (scripts/tune_kernels.py sets these module attributes).
-# All rows of a 60-row verify fit one block of MAX_BLOCK_M, so each program reads its BLOCK_N x K
-# weight stripe exactly once; BLOCK_N = 32 still gives 128 programs for a 4096-wide output (an
-# H100 has 132 SMs).
+# Launch constants, to be tuned on the GPU (scripts/tune_kernels.py sets these module attributes;
+# launch_config reads them at every call). 16-bit x: all rows of a 60-row verify fit one block of
+# MAX_BLOCK_M, so each program reads its BLOCK_N x K weight stripe exactly once; BLOCK_N = 32 still
+# gives 128 programs for a 4096-wide output (an H100 has 132 SMs).
 MAX_BLOCK_M = 128
 BLOCK_N = 32
 BLOCK_K = 128
 NUM_WARPS = 4
-NUM_STAGES = 4
+NUM_STAGES = 4  # x and w blocks in flight; launch_config takes fewer where shared memory is short
+# float32 x (no tensor cores, "ieee"): the dot runs on FMA units with whole tiles in registers; the
+# 16-bit tiles spilled 3-16 KB a thread on sm_80/86/90. 64 rows x 32 columns with 8 warps compiled
+# with no spills on all three.
+FP32_MAX_BLOCK_M = 64
+FP32_BLOCK_K = 32
+FP32_NUM_WARPS = 8
 
 
 def reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -51,12 +59,43 @@ def int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     (M, K), N = x.shape, weight.size(0)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = min(MAX_BLOCK_M, max(16, 1 << (M - 1).bit_length()))  # tl.dot wants >= 16 rows
-    _int8_matmul_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, block_m))](
-        x, weight, scales, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+    launch = launch_config(M, x.dtype, shared_memory_limit(x.device))
+    _int8_matmul_kernel[(triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(M, launch["BLOCK_M"]))](
+        x, weight, scales, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), **launch)
     return y
+
+
+def launch_config(M, dtype: torch.dtype, shared_limit: int) -> dict:
+    """The kernel's launch constants for M rows of dtype on a GPU whose blocks may use shared_limit
+    bytes of shared memory. The module's constants (16-bit or FP32_*) first; then, while
+    shared_bytes says they might not fit: shorter K steps down to 32, then fewer stages. A pure
+    function: int8_matmul() launches what it returns, the ahead-of-time checks compile it.
+
+    M may be symbolic (a prefill compiled with dynamic shapes): the row block is found by
+    comparisons, which torch.compile guards as ranges, so one graph serves every M of a block size
+    (M.bit_length() would pin M, and recompile for every prompt length)."""
+    fp32 = dtype == torch.float32
+    most, block_k = (FP32_MAX_BLOCK_M, FP32_BLOCK_K) if fp32 else (MAX_BLOCK_M, BLOCK_K)
+    block_m = 16  # tl.dot wants >= 16 rows
+    while block_m < most and block_m < M:
+        block_m *= 2
+    stages = NUM_STAGES
+    while shared_bytes(block_m, BLOCK_N, block_k, stages, dtype.itemsize) > shared_limit:
+        if block_k > 32:
+            block_k //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(f"int8_matmul: no launch fits in {shared_limit} bytes of shared memory per block")
+    return dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=FP32_NUM_WARPS if fp32 else NUM_WARPS,
+                num_stages=stages)
+
+
+def shared_bytes(block_m: int, block_n: int, block_k: int, stages: int, elem: int) -> int:
+    """An upper bound on the kernel's shared memory: `stages` buffers of an x block (elem bytes a
+    value) and an int8 w block, and the w block cast to x's dtype. tests/test_kernel_fit.py holds
+    it against what Triton's compiler reports."""
+    return stages * (block_m * block_k * elem + block_n * block_k) + block_n * block_k * elem
 
 
 @triton.jit

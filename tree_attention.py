@@ -13,10 +13,11 @@ looks, so one launch fits in the CUDA graph of a round) and the small [B, T, R] 
 Layout of the work, one program per (block of query rows, prefix split, batch row and KV head):
   * GQA: the G = H // KV query heads that share a KV head are stacked as rows of one block, so a
     K/V block is read once for all of them (never a repeated K/V tensor). Row r of the stack is
-    query head kv * G + r // T, tree node r % T. Up to MAX_BLOCK_M rows make one block (LLaMA-3:
-    4 * 60 = 240 rows, two blocks); the row blocks of one KV head and split are launched next to
-    each other (program id 0 varies fastest), so they read the same K/V blocks at about the same
-    time and all but the first find them in L2.
+    query head kv * G + r // T, tree node r % T. Up to 128 rows make one block, fewer for a large
+    head_dim or float32 (launch_config; LLaMA-3: 4 * 60 = 240 rows, four blocks of 64 in 16 bits);
+    the row blocks of one KV head and split are launched next to each other (program id 0 varies
+    fastest), so they read the same K/V blocks at about the same time and all but the first find
+    them in L2.
   * online softmax over the program's share of the prefix in BLOCK_N-slot blocks, then over the
     region with the mask; fp32 accumulation whatever the input dtype.
   * split-K: with few programs (one KV head per row at batch 1 leaves most SMs idle) the prefix is
@@ -45,14 +46,25 @@ from tree import tree_attention_mask
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 # Launch constants, chosen for Hopper (H100) and still to be tuned there: they are read at every
-# call, so scripts/tune_kernels.py sweeps them by setting these module attributes.
-# BLOCK_N = 64 slots per K/V block keeps a bf16 K and V block at 16 KiB each for head_dim 128, so
-# two pipeline stages fit in shared memory easily. Query blocks are 16 to MAX_BLOCK_M rows (tl.dot
-# wants >= 16), with WARPS_PER_64_ROWS warps per 64 rows: one warpgroup, Hopper's wgmma tile.
+# call (launch_config), so scripts/tune_kernels.py sweeps them by setting these module attributes.
+# 16-bit inputs (tensor cores): BLOCK_N = 64 slots per K/V block keeps a bf16 K and V block at
+# 16 KiB each for head_dim 128. Query blocks are 16 to MAX_BLOCK_M rows (tl.dot wants >= 16), and
+# at most MAX_BLOCK_ELEMENTS query elements (rows x head_dim: 128 rows of head_dim 64, 64 rows of
+# 128), with one warp per ELEMENTS_PER_WARP of them (at least 4): the output accumulator is then
+# 32 float32 registers a thread. Compiled for sm_80/86/90 (scripts/kernel_fit.py), 128 rows of
+# head_dim 128 sat at 255 registers and spilled on sm_8x, with 4 or 16 warps alike.
 BLOCK_N = 64
 MAX_BLOCK_M = 128
-WARPS_PER_64_ROWS = 4
-NUM_STAGES = 2
+MAX_BLOCK_ELEMENTS = 64 * 128
+ELEMENTS_PER_WARP = 1024
+NUM_STAGES = 2  # K/V blocks in flight; launch_config takes fewer where shared memory is short
+# float32 inputs (the README's setting for exact equality) get no tensor cores ("ieee": no TF32):
+# tl.dot runs on FMA units with whole tiles in registers, and the 16-bit tiles spilled 3-56 KB a
+# thread and needed up to 172 KB of shared memory. 16 rows x 32 slots with 8 warps compiled with no
+# spills on sm_80, sm_86 and sm_90 for head_dim 64 and 128 (70-117 registers, 23-43 KB).
+FP32_MAX_BLOCK_M = 16
+FP32_BLOCK_N = 32
+FP32_NUM_WARPS = 8
 # Split the prefix until about TARGET_PROGRAMS programs run (an H100 has 132 SMs), at most
 # MAX_SPLITS ways, and never into shares smaller than MIN_SPLIT_SLOTS cache slots: below that
 # a share's fixed costs (loading q, writing a partial output, the merge) outweigh the parallelism.
@@ -60,6 +72,17 @@ TARGET_PROGRAMS = 132
 MIN_SPLIT_SLOTS = 512
 MAX_SPLITS = 16
 MERGE_BLOCK_ROWS = 16  # (tree node, head) rows per program of the merge
+
+# The most shared memory one block may use, in bytes (the opt-in maximum: what Triton compares a
+# kernel's needs with before it launches it, raising OutOfResources), by compute capability, from
+# the CUDA C++ Programming Guide: 163 KB on 8.0 and 8.7 (A100, Orin), 99 KB on 8.6, 8.9 and 12.0
+# (RTX 30xx, 40xx, 50xx), 227 KB on 9.0 and 10.0 (H100, B200), 96 KB on 7.0, 64 KB on 7.5. A GPU's
+# own figure is read at run time (shared_memory_limit); the table is for the ahead-of-time checks
+# (scripts/kernel_fit.py, tests/test_kernel_fit.py) and for a device that does not report it.
+SHARED_MEMORY_PER_BLOCK = {(7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
+                           (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+                           (12, 0): 99 * 1024}
+INTERPRETER_CAPABILITY = (8, 6)  # the interpreter (no GPU) chooses as the tightest of the GPUs we target
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible: Tensor) -> Tensor:
@@ -79,7 +102,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible:
     KV, S, R = k.size(1), k.size(2), visible.size(-1)
     q, k, v = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
     G = H // KV
-    block_m = min(MAX_BLOCK_M, _pow2_at_least(G * T))
+    launch = launch_config(q.dtype, G * T, D, shared_memory_limit(q.device))
+    block_m = launch["block_m"]
     m_blocks = -(-G * T // block_m)
     if n_splits is None:
         n_splits = num_splits(B * KV * m_blocks, S - R)
@@ -94,15 +118,15 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible:
     else:
         partial = torch.empty(n_splits, B, T, H, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_splits, B, T, H, dtype=torch.float32, device=q.device)
-    split_consts = dict(N_SPLITS=n_splits, MIN_SHARE=MIN_SPLIT_SLOTS, BLOCK_N=BLOCK_N)
+    split_consts = dict(N_SPLITS=n_splits, MIN_SHARE=MIN_SPLIT_SLOTS, BLOCK_N=launch["block_n"])
     _tree_attention_kernel[(m_blocks, n_splits, B * KV)](
         q, k, v, prefix_len, visible, partial, lse,  # visible goes as it is, bool (*i1): one byte each
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], prefix_len.stride(0), *visible.stride(),
         partial.stride(0), partial.stride(1), partial.stride(3), partial.stride(2),  # share, b, h, t
         lse.stride(0), lse.stride(1), lse.stride(3), lse.stride(2),
         KV, G, T, S, R, D ** -0.5,
-        D=D, BLOCK_M=block_m, BLOCK_D=_pow2_at_least(D), **split_consts,
-        num_warps=WARPS_PER_64_ROWS * max(1, block_m // 64), num_stages=NUM_STAGES,
+        D=D, BLOCK_M=block_m, BLOCK_D=launch["block_d"], **split_consts,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     if n_splits > 1:
         rows = T * H  # partial, lse and out are contiguous: (node, head) rows of D values
@@ -112,6 +136,55 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible:
             D=D, BLOCK_D=_pow2_at_least(D), BLOCK_R=MERGE_BLOCK_ROWS, **split_consts,
         )
     return out.transpose(1, 2)
+
+
+def launch_config(dtype: torch.dtype, rows: int, head_dim: int, shared_limit: int) -> dict:
+    """The kernel's launch constants for `rows` stacked query rows (G * T) of head_dim elements of
+    dtype, on a GPU whose blocks may use shared_limit bytes of shared memory: block_m, block_n,
+    block_d, num_warps, num_stages. The module's constants (16-bit or FP32_*) first; then, while
+    shared_bytes says they might not fit: smaller K/V blocks down to 32 slots, fewer stages, then
+    16 slots and fewer rows. A pure function of plain values: tree_attention() launches what it
+    returns, and the ahead-of-time checks compile what it returns for each GPU."""
+    block_d = _pow2_at_least(head_dim)
+    if dtype == torch.float32:
+        block_m, block_n = min(FP32_MAX_BLOCK_M, _pow2_at_least(rows)), FP32_BLOCK_N
+    else:
+        block_m = min(MAX_BLOCK_M, max(16, MAX_BLOCK_ELEMENTS // block_d), _pow2_at_least(rows))
+        block_n = BLOCK_N
+    stages, elem = NUM_STAGES, dtype.itemsize
+    while shared_bytes(block_m, block_n, block_d, stages, elem) > shared_limit:
+        if block_n > 32:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif block_m > 16:
+            block_m //= 2
+        else:
+            raise ValueError(f"tree attention: no launch fits in {shared_limit} bytes of shared memory per block "
+                             f"(head_dim {head_dim}, {dtype}); the smallest needs "
+                             f"{shared_bytes(16, 16, block_d, 1, elem)}")
+    warps = FP32_NUM_WARPS if dtype == torch.float32 else max(4, block_m * block_d // ELEMENTS_PER_WARP)
+    return dict(block_m=block_m, block_n=block_n, block_d=block_d, num_warps=warps, num_stages=stages)
+
+
+def shared_bytes(block_m: int, block_n: int, block_d: int, stages: int, elem: int) -> int:
+    """An upper bound on _tree_attention_kernel's shared memory: `stages` buffers of a K and a V
+    block, the query block, and a float32 [block_m, block_n] tile (scores on their way to the
+    second dot). tests/test_kernel_fit.py holds it against what Triton's compiler reports."""
+    return stages * 2 * block_n * block_d * elem + block_m * block_d * elem + block_m * block_n * 4
+
+
+@torch.compiler.assume_constant_result
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on device (the opt-in maximum). A constant to
+    torch.compile: read when a graph is traced, never inside it."""
+    if device.type != "cuda":  # Triton's interpreter
+        return SHARED_MEMORY_PER_BLOCK[INTERPRETER_CAPABILITY]
+    props = torch.cuda.get_device_properties(device)
+    return (getattr(props, "shared_memory_per_block_optin", 0)
+            or SHARED_MEMORY_PER_BLOCK.get((props.major, props.minor)) or props.shared_memory_per_block)
 
 
 def num_splits(programs: int, prefix_slots: int) -> int:

@@ -14,7 +14,10 @@ put in the code.
   int4             torch's int4 kernel against the dequantized weight with cuBLAS (compiled, as a
                    compiled run does), by rows: where quantize.CUDA_INT4_KERNEL_ROWS should sit.
 Times are triton.testing.do_bench medians (ms). Every configuration is checked against its
-reference first. Writes OUT.json and OUT.md.
+reference first. Each row also says what the kernel's launch_config made of the setting (it keeps
+a launch within the device's shared memory, with fewer stages or smaller blocks where a setting
+would not fit); a setting the device still cannot launch (OutOfResources) or that fails is
+recorded as "does not fit" / "failed" and the sweep goes on. Writes OUT.json and OUT.md.
 """
 import argparse
 import json
@@ -32,11 +35,19 @@ sys.path.insert(0, str(ROOT))
 import quantize  # noqa: E402
 
 SWEEPS = {
-    "tree_attention": {"BLOCK_N": [32, 64, 128], "MAX_BLOCK_M": [64, 128], "NUM_STAGES": [2, 3],
+    "tree_attention": {"BLOCK_N": [32, 64, 128], "MAX_BLOCK_ELEMENTS": [4096, 8192, 16384],
+                       "ELEMENTS_PER_WARP": [512, 1024, 2048], "NUM_STAGES": [1, 2, 3],
                        "TARGET_PROGRAMS": [66, 132, 264], "MIN_SPLIT_SLOTS": [256, 512, 1024]},
     "int8_matmul": {"BLOCK_N": [16, 32, 64], "BLOCK_K": [64, 128, 256], "NUM_STAGES": [3, 4, 5], "NUM_WARPS": [4, 8]},
 }
 INT4_ROWS = [1, 16, 32, 60, 128, 512]
+# (what, H, KV, D, tree nodes T, region R, prefix) in a cache of TREE_CACHE + R slots
+TREE_CASES = [("7B verify", 32, 32, 128, 60, 60, 500), ("7B verify", 32, 32, 128, 60, 60, 3000),
+              ("8B verify", 32, 8, 128, 60, 60, 500), ("8B verify", 32, 8, 128, 60, 60, 3000),
+              ("7B draft level", 32, 32, 128, 10, 50, 1000)]
+TREE_CACHE = 4096
+INT8_ROWS = [10, 60]
+INT8_SHAPES = [(12288, 4096, "wqkv"), (4096, 11008, "w2")]  # (N, K, name): a 7B's layers
 
 
 def parse_args(argv=None):
@@ -80,11 +91,8 @@ def tree_attention_rows(deadline):
     import tree_attention as ta
 
     rows, g = [], torch.Generator(device="cuda").manual_seed(0)
-    cases = [("7B verify", 32, 32, 128, 60, 60, 500), ("7B verify", 32, 32, 128, 60, 60, 3000),
-             ("8B verify", 32, 8, 128, 60, 60, 500), ("8B verify", 32, 8, 128, 60, 60, 3000),
-             ("7B draft level", 32, 32, 128, 10, 50, 1000)]
-    for what, H, KV, D, T, R, prefix in cases:
-        S = 4096 + R
+    for what, H, KV, D, T, R, prefix in TREE_CASES:
+        S = TREE_CACHE + R
         q = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(1, KV, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         prefix_len = torch.tensor([prefix], device="cuda")
@@ -95,19 +103,38 @@ def tree_attention_rows(deadline):
             if time.perf_counter() > deadline:
                 return rows, True
             with constants(ta, setting):
-                error = (ta.tree_attention(q, k, v, prefix_len, visible).float() - expected).abs().max().item()
-                kernel_ms = ms(lambda: ta.tree_attention(q, k, v, prefix_len, visible))
-            rows.append(dict(case=f"{what}, H {H}, KV {KV}, prefix {prefix}", setting=setting or "defaults",
-                             ms=kernel_ms, sdpa_ms=sdpa_ms, max_error=error))
+                launch = ta.launch_config(q.dtype, (H // KV) * T, D, ta.shared_memory_limit(q.device))
+                row = dict(case=f"{what}, H {H}, KV {KV}, prefix {prefix}", setting=setting or "defaults",
+                           launch=launch_text(launch), sdpa_ms=sdpa_ms)
+                try:
+                    error = (ta.tree_attention(q, k, v, prefix_len, visible).float() - expected).abs().max().item()
+                    rows.append(dict(row, ms=ms(lambda: ta.tree_attention(q, k, v, prefix_len, visible)),
+                                     max_error=error))
+                except Exception as e:  # noqa: BLE001 - one setting that cannot launch is a row, not the end
+                    rows.append(dict(row, ms=does_not_fit(e)))
     return rows, False
+
+
+def launch_text(launch: dict) -> str:
+    """What launch_config chose for a setting: launch_config keeps within the device's shared memory,
+    taking fewer stages or smaller blocks than a setting asks for where it would not fit."""
+    return " ".join(f"{k}={v}" for k, v in launch.items())
+
+
+def does_not_fit(e: Exception) -> str:
+    """The row's entry for a setting the device cannot launch (Triton's OutOfResources: shared
+    memory, registers) or that fails to compile: recorded, and the sweep goes on."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    kind = "does not fit" if type(e).__name__ == "OutOfResources" else "failed"
+    return f"{kind}: {type(e).__name__}: {first}"[:200]
 
 
 def int8_rows(deadline):
     import int8_matmul as im
 
     rows = []
-    for M in (10, 60):
-        for N, K, name in ((12288, 4096, "wqkv"), (4096, 11008, "w2")):
+    for M in INT8_ROWS:
+        for N, K, name in INT8_SHAPES:
             w = torch.randn(N, K, device="cuda")
             q, scales = quantize.quantize_int8(w)
             scales = scales.bfloat16()
@@ -120,10 +147,15 @@ def int8_rows(deadline):
                 if time.perf_counter() > deadline:
                     return rows, True
                 with constants(im, setting):
-                    error = ((im.int8_matmul(x, q, scales).float() - expected).abs().max() / expected.abs().max()).item()
-                    kernel_ms = ms(lambda: im.int8_matmul(x, q, scales))
-                rows.append(dict(case=f"{M} rows x {name} [{N}, {K}]", setting=setting or "defaults", ms=kernel_ms,
-                                 bf16_cublas_ms=cublas_ms, cast_ms=cast_ms, relative_error=error))
+                    row = dict(case=f"{M} rows x {name} [{N}, {K}]", setting=setting or "defaults",
+                               launch=launch_text(im.launch_config(M, x.dtype, im.shared_memory_limit(x.device))),
+                               bf16_cublas_ms=cublas_ms, cast_ms=cast_ms)
+                    try:
+                        y = im.int8_matmul(x, q, scales).float()
+                        rows.append(dict(row, ms=ms(lambda: im.int8_matmul(x, q, scales)),
+                                         relative_error=((y - expected).abs().max() / expected.abs().max()).item()))
+                    except Exception as e:  # noqa: BLE001 - as in tree_attention_rows
+                        rows.append(dict(row, ms=does_not_fit(e)))
     return rows, False
 
 
@@ -152,9 +184,10 @@ def markdown(report: dict) -> str:
         if not rows:
             continue
         keys = [k for k in rows[0] if k != "case"]
+        keys += [k for r in rows for k in r if k not in keys and k != "case"]  # a row that did not fit has fewer
         lines += [f"## {section}", "", "| case | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
         for r in rows:
-            cells = [f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys]
+            cells = [f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
             lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
         lines.append("")
     if report["left_out"]:

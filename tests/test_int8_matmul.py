@@ -51,15 +51,59 @@ def test_kernel_equals_the_dequantized_matmul(M, N, K, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @torch.no_grad()
-def test_launch_constants_are_read_at_every_call(device, monkeypatch):
+def test_launch_constants_are_read_at_every_call(device, dtype, monkeypatch):
     """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
-    monkeypatch.setattr(int8_matmul, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(int8_matmul, "BLOCK_N", 16)
-    monkeypatch.setattr(int8_matmul, "BLOCK_K", 32)
+    for name in ("MAX_BLOCK_M", "FP32_MAX_BLOCK_M", "BLOCK_N"):
+        monkeypatch.setattr(int8_matmul, name, 16)
+    for name in ("BLOCK_K", "FP32_BLOCK_K"):
+        monkeypatch.setattr(int8_matmul, name, 32)
     x, weight, scales = case(40, 50, 100, seed=1)
-    y = int8_matmul.int8_matmul(x.to(device), weight.to(device), scales.to(device))
-    torch.testing.assert_close(y.cpu(), int8_matmul.reference(x, weight, scales), atol=1e-4, rtol=1e-5)
+    assert int8_matmul.launch_config(40, dtype, 10**6)["BLOCK_M"] == 16  # 40 rows: three blocks
+    y = int8_matmul.int8_matmul(x.to(device, dtype), weight.to(device), scales.to(device, dtype))
+    expected = int8_matmul.reference(x.to(dtype), weight, scales.to(dtype))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.cpu().float(), expected, atol=tol * expected.abs().max(), rtol=tol)
+
+
+@pytest.mark.parametrize("limit, block_k, stages", [(232448, 128, 4), (166912, 128, 4), (101376, 64, 4),
+                                                    (30000, 32, 3), (12000, 32, 1)])
+def test_launches_keep_within_the_shared_memory_limit(limit, block_k, stages):
+    """128 rows of bfloat16 at the module's 128 x 128 x 4 stages would need 110,592 bytes on an
+    RTX 3090 (sm_86: 101,376): shorter K steps first, then fewer stages, always within the bound."""
+    launch = int8_matmul.launch_config(128, torch.bfloat16, limit)
+    assert (launch["BLOCK_M"], launch["BLOCK_K"], launch["num_stages"]) == (128, block_k, stages)
+    assert int8_matmul.shared_bytes(128, launch["BLOCK_N"], block_k, stages, 2) <= limit
+    with pytest.raises(ValueError, match="no launch fits in 1000 bytes"):
+        int8_matmul.launch_config(128, torch.bfloat16, 1000)
+
+
+def test_a_dynamic_prefill_compiles_once_per_row_block(monkeypatch):
+    """--compile_prefill traces with a symbolic row count. The row block is found by comparisons,
+    which torch.compile guards as ranges: prompts of 2-128 rows take one graph per block size
+    (16, 32, 64, 128), not one per length. The kernel is a stand-in here: what is checked is the
+    host code under dynamo."""
+    class Kernel:  # writes the launch's row block into y (argument 3): traced by dynamo like the host code
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: args[3].fill_(kwargs["BLOCK_M"])
+
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(int8_matmul, "_int8_matmul_kernel", Kernel())
+    monkeypatch.setattr(int8_matmul, "INTERPRETED", True)  # the host code's CUDA check: the stand-in runs anywhere
+    torch._dynamo.reset()
+    prefill = torch.compile(int8_matmul.int8_matmul, backend=count, dynamic=True, fullgraph=True)
+    weight, scales = case(2, 64, 128)[1:]
+    rows = [2, 3, 9, 16, 17, 31, 32, 33, 60, 64, 65, 100, 127, 128]
+    blocks = [prefill(torch.randn(m, 128, dtype=torch.bfloat16), weight, scales.bfloat16())[0, 0].item() for m in rows]
+    torch._dynamo.reset()
+    assert blocks == [max(16, 1 << (m - 1).bit_length()) for m in rows]
+    assert len(graphs) == 4
 
 
 def test_bad_input_gets_a_clear_error():

@@ -105,8 +105,10 @@ def test_the_split_count_comes_from_the_launch():
     assert tree_attention.num_splits(32, 4096) == 4
     # a launch that fills the GPU is not split, nor a cache too short for two shares
     assert tree_attention.num_splits(256, 8192) == 1 and tree_attention.num_splits(32, 500) == 1
-    # LLaMA-3 at batch 1: 8 KV heads, two query blocks of 128 rows: 16 programs, 8 splits
-    assert tree_attention.num_splits(16, 8192) == 8
+    # LLaMA-3 at batch 1: 8 KV heads, 4 x 60 = 240 rows of head_dim 128 in four blocks of 64:
+    # 32 programs, 4 splits; two blocks of 128 rows (head_dim 64): 16 programs, 8 splits
+    assert tree_attention.launch_config(torch.bfloat16, 240, 128, 101376)["block_m"] == 64
+    assert tree_attention.num_splits(32, 8192) == 4 and tree_attention.num_splits(16, 8192) == 8
     # the default cases above really run split: "default-split-long-prefix" (1 x 2 KV heads x
     # one block) and "short-prefix-big-cache" (3 x 2 x 1), at most as many shares as the cache holds
     assert tree_attention.num_splits(1 * 2 * 1, 1100 - 3) == 3
@@ -137,13 +139,54 @@ def test_empty_shares_are_neither_written_nor_read(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @torch.no_grad()
-def test_launch_constants_are_read_at_every_call(device, monkeypatch):
+def test_launch_constants_are_read_at_every_call(device, dtype, monkeypatch):
     """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
-    monkeypatch.setattr(tree_attention, "BLOCK_N", 32)
+    monkeypatch.setattr(tree_attention, "BLOCK_N", 16)
+    monkeypatch.setattr(tree_attention, "FP32_BLOCK_N", 16)
     monkeypatch.setattr(tree_attention, "MAX_BLOCK_M", 16)  # 24 rows: two blocks
+    monkeypatch.setattr(tree_attention, "NUM_STAGES", 1)
     monkeypatch.setattr(tree_attention, "MIN_SPLIT_SLOTS", 32)
-    check_kernel(device, torch.float32, 6, 2, 64, 8, 8, [45, 90], 140, None, None, "tree")
+    launch = tree_attention.launch_config(dtype, 24, 64, 10**6)
+    assert (launch["block_m"], launch["block_n"], launch["num_stages"]) == (16, 16, 1)
+    check_kernel(device, dtype, 6, 2, 64, 8, 8, [45, 90], 140, None, None, "tree")
+
+
+@pytest.mark.parametrize("dtype, head_dim, limit, expected", [
+    # 16-bit: at most 64 x 128 query elements a block (128 rows of head_dim 128 spilled on sm_8x)
+    (torch.bfloat16, 128, 101376, (64, 64, 2, 8)),
+    (torch.float16, 64, 101376, (128, 64, 2, 8)),
+    (torch.bfloat16, 64, 232448, (128, 64, 2, 8)),
+    # float32 (no tensor cores): small tiles, 8 warps, wherever it runs
+    (torch.float32, 128, 232448, (16, 32, 2, 8)),
+    (torch.float32, 128, 101376, (16, 32, 2, 8)),
+    # a smaller GPU (sm_75: 64 KB): smaller K/V blocks, then fewer stages
+    (torch.bfloat16, 128, 65536, (64, 32, 2, 8)),
+    (torch.float32, 128, 65536, (16, 32, 1, 8)),
+])
+def test_launches_keep_within_the_shared_memory_limit(dtype, head_dim, limit, expected):
+    """What launch_config chooses for LLaMA-3's verify (4 x 60 = 240 stacked rows), by dtype and by
+    the GPU's per-block limit, and that its bound on shared memory stays within the limit."""
+    launch = tree_attention.launch_config(dtype, 240, head_dim, limit)
+    assert (launch["block_m"], launch["block_n"], launch["num_stages"], launch["num_warps"]) == expected
+    assert tree_attention.shared_bytes(launch["block_m"], launch["block_n"], launch["block_d"], launch["num_stages"],
+                                       dtype.itemsize) <= limit
+    with pytest.raises(ValueError, match="no launch fits in 4096 bytes"):
+        tree_attention.launch_config(dtype, 240, head_dim, 4096)
+
+
+def test_the_shared_memory_limit_comes_from_the_device(monkeypatch):
+    """On CUDA the device's own opt-in figure, then the table by compute capability; Triton's
+    interpreter chooses as the tightest GPU we target (sm_86, 99 KB)."""
+    assert tree_attention.shared_memory_limit(torch.device("cpu")) == 101376
+    props = mock.Mock(major=8, minor=0, shared_memory_per_block_optin=166912, shared_memory_per_block=49152)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert tree_attention.shared_memory_limit(torch.device("cuda", 0)) == 166912
+    props.shared_memory_per_block_optin = 0  # a build that does not report it: the table
+    props.minor = 6
+    assert tree_attention.shared_memory_limit(torch.device("cuda", 0)) == 101376
+    assert tree_attention.SHARED_MEMORY_PER_BLOCK[9, 0] == 232448 and tree_attention.SHARED_MEMORY_PER_BLOCK[8, 9] == 101376
 
 
 @pytest.mark.parametrize("device", DEVICES)
