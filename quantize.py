@@ -59,6 +59,10 @@ CPU_INT8_KERNEL_ROWS = 16  # up to this many rows, int8 layers on CPU use aten._
 # Both to be tuned on the GPU (scripts/tune_kernels.py).
 CUDA_INT8_KERNEL_ROWS = 128
 CUDA_INT4_KERNEL_ROWS = 128
+# An eager dequantization (int4 prefill on CUDA) works through a layer in pieces of at most this
+# many weights, so that its float32 intermediate stays at 64 MB rather than a float32 copy of the
+# whole layer (LLaMA-3's LM head: 2.1 GB) on top of the compute-dtype copy cuBLAS reads.
+DEQUANTIZE_CHUNK = 1 << 24
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +187,21 @@ def dequantize_int4(q: Tensor, scales_and_zeros: Tensor, groupsize: int) -> Tens
     return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(out_features, in_features)
 
 
+def dequantize_int4_as(nibbles: Tensor, scales_and_zeros: Tensor, groupsize: int, dtype: torch.dtype,
+                       chunk: int = DEQUANTIZE_CHUNK) -> Tensor:
+    """dequantize_int4(unpack_nibbles(nibbles), ...).to(dtype), bit for bit, with the float32 work
+    done chunk weights (whole rows) at a time in eager mode. Compiled, the whole layer is one
+    expression: Inductor fuses it into one kernel that writes dtype and holds no float32 copy."""
+    out_features, in_features = nibbles.size(0), 2 * nibbles.size(1)
+    rows = max(1, chunk // in_features)
+    if torch.compiler.is_compiling() or rows >= out_features:
+        return dequantize_int4(unpack_nibbles(nibbles), scales_and_zeros, groupsize).to(dtype)
+    w = torch.empty(out_features, in_features, dtype=dtype, device=nibbles.device)
+    for r in range(0, out_features, rows):
+        w[r:r + rows] = dequantize_int4(unpack_nibbles(nibbles[r:r + rows]), scales_and_zeros[:, r:r + rows], groupsize)
+    return w
+
+
 def pack_nibbles(q: Tensor) -> Tensor:
     """uint8 [out, in] values 0..15 -> uint8 [out, in / 2], the even column in the high nibble
     (the input layout of aten._convert_weight_to_int4pack since torch 2.5)."""
@@ -293,8 +312,8 @@ class WeightOnlyInt4Linear(nn.Module):
             # bytes per weight); dequantizing (Inductor fuses it into one kernel) and cuBLAS read
             # the nibbles once and write and read a bf16 weight (~4.5 bytes per weight): by bytes
             # the kernel wins up to ~128 rows, a prefill is better off here.
-            w = dequantize_int4(unpack_nibbles(self.nibbles), self.scales_and_zeros, self.groupsize)
-            y = F.linear(x2, w.to(x2.dtype))[:, :self.out_features]
+            w = dequantize_int4_as(self.nibbles, self.scales_and_zeros, self.groupsize, x2.dtype)
+            y = F.linear(x2, w)[:, :self.out_features]
         else:
             y = self._matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
         y = y.to(x.dtype).reshape(*shape, self.out_features)

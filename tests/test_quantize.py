@@ -170,6 +170,22 @@ def test_int4_on_cuda_picks_the_path_by_rows(monkeypatch):
     assert_close_to(by_cublas, by_kernel.float(), 2e-2)
 
 
+@torch.no_grad()
+def test_int4_prefill_dequantizes_in_bounded_pieces(monkeypatch):
+    """The dequantized path of a CUDA prefill (dequantize_int4_as): the same bits as dequantizing the
+    whole layer in float32 and casting, with no float32 intermediate larger than the chunk."""
+    int4 = WeightOnlyInt4Linear.from_linear(random_linear(256, 100), 32)  # 100 rows, padded to 112
+    sizes, real = [], quantize.dequantize_int4
+    monkeypatch.setattr(quantize, "dequantize_int4", lambda q, *a: sizes.append(q.numel()) or real(q, *a))
+    whole = real(unpack_nibbles(int4.weight), int4.scales_and_zeros, 32).to(torch.bfloat16)
+    pieces = quantize.dequantize_int4_as(int4.weight, int4.scales_and_zeros, 32, torch.bfloat16, chunk=30 * 256)
+    assert pieces.dtype == torch.bfloat16 and torch.equal(pieces, whole)
+    assert sizes == [30 * 256] * 3 + [22 * 256]  # 112 rows, 30 at a time
+    sizes.clear()
+    quantize.dequantize_int4_as(int4.weight, int4.scales_and_zeros, 32, torch.bfloat16)  # fits one default chunk
+    assert sizes == [112 * 256]
+
+
 def test_int4_on_cpu_keeps_no_second_copy():
     int4 = WeightOnlyInt4Linear.from_linear(random_linear(256, 48), 32)
     int4.pack()
