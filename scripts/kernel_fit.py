@@ -1,0 +1,463 @@
+"""Every Triton launch the project's host code chooses, compiled ahead of time for GPUs this
+machine does not have: shared memory against each GPU's per-block limit, registers and spills.
+
+    python scripts/kernel_fit.py --out benchmarks/kernel_fit     the full sweep: OUT.md and OUT.json
+    python scripts/kernel_fit.py --quick                         the representative set of the tests
+
+Launches are gathered by running the host code itself on the meta device (shapes without memory,
+no GPU): speculative rounds of every named model config (model.transformer_configs) at every
+tensor-parallel degree 1-8 it divides, in bfloat16, float16 and float32, with caches for prefixes
+up to 8k, EAGLE-1/2/3 trees (draft levels and verify) and verifies of 2-128 tree nodes; int8
+layers of every shape those models have at 2-128 rows (quantize.py's kernel range); and the
+settings scripts/tune_kernels.py sweeps. The kernels of tree_attention.py and int8_matmul.py are
+replaced by recorders while it runs, and the host code sees the shared-memory limit of the GPU
+being checked (tree_attention.SHARED_MEMORY_PER_BLOCK), as it would read it from the device.
+
+The launches fall into resource classes: Triton's own specialization key (argument types, the
+integers it specializes on, constants, warps, stages), what one compiled binary serves. Each class
+is compiled for each target with triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))
+and the ptxas Triton ships: compiled.metadata.shared is exactly what Triton compares with the
+device's limit before it raises OutOfResources at launch, and ptxas -v gives registers and spills.
+A launch fits when its class compiles and its shared memory is within the limit; the bound the
+host code chooses by (shared_bytes of each kernel module) is checked to hold as well.
+"""
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import int8_matmul  # noqa: E402
+import model  # noqa: E402
+import quantize  # noqa: E402
+import speculative  # noqa: E402
+import tp  # noqa: E402
+import tree_attention  # noqa: E402
+from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids  # noqa: E402
+from tree import Tree, mc_sim_7b_63, static_tree  # noqa: E402
+
+TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
+QUICK_TARGETS = ("sm_80", "sm_86", "sm_90")
+KERNELS = {"tree_attention": ("_tree_attention_kernel", "_merge_kernel"), "int8_matmul": ("_int8_matmul_kernel",)}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CACHE_SLOTS = (64, 300, 1000, 2048, 3000, 4096, 6000, 8192)  # setup lengths: prefixes up to 8k
+# (top_k, depth, tokens) of EAGLE-2 trees run as whole rounds: the default, EAGLE-3's depth, the
+# sizes gpu_check.sh and the benchmarks use, and small trees (--tree_tokens auto on a CPU)
+ROUND_SHAPES = ((10, 6, 60), (10, 8, 60), (10, 6, 128), (8, 6, 32), (4, 4, 16), (2, 3, 4))
+VERIFY_NODES = range(2, 129)
+LAYERS = 2  # every layer launches the same; two keep the cache layout of a multi-layer model
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering launches: the host code on the meta device, kernels replaced by recorders
+# ---------------------------------------------------------------------------------------------
+class Launch(NamedTuple):
+    module: str   # "tree_attention" or "int8_matmul"
+    kernel: str   # the @triton.jit function's name
+    args: tuple   # as passed; tensors (meta) kept for their dtype
+    kwargs: dict  # constexprs, num_warps, num_stages
+
+
+class _Recorder:
+    def __init__(self, module: str, kernel: str, launches: list):
+        self.module, self.kernel, self.launches = module, kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(Launch(self.module, self.kernel, args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(capability: tuple):
+    """Inside the block, tree_attention.py's and int8_matmul.py's launches are recorded, not run
+    (the list it yields), and their host code chooses as on a GPU of this compute capability. It
+    takes tensors on any device, so meta tensors serve."""
+    launches = []
+    limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+    with contextlib.ExitStack() as stack:
+        for module in (tree_attention, int8_matmul):
+            stack.enter_context(mock.patch.object(module, "INTERPRETED", True))
+            stack.enter_context(mock.patch.object(module, "shared_memory_limit", lambda device: limit))
+            for kernel in KERNELS[module.__name__]:
+                stack.enter_context(mock.patch.object(module, kernel, _Recorder(module.__name__, kernel, launches)))
+        backend = model._tree_kernel
+        model.set_attention_backend("triton")
+        try:
+            yield launches
+        finally:
+            model._tree_kernel = backend
+
+
+def model_shards(names=None) -> list:
+    """(name, world_size, ModelArgs) for the named configs at every tensor-parallel degree 1-8
+    that tp.check_divisible accepts."""
+    out = []
+    for name in names or model.transformer_configs:
+        config = model.ModelArgs.from_name(name)
+        for n in range(1, 9):
+            try:
+                tp.check_divisible(config, n)
+            except ValueError:
+                continue
+            out.append((name, n, config))
+    return out
+
+
+def meta_models(config, world_size: int, dtype, eagle3: bool = False):
+    """(target, draft) on the meta device: the target with LAYERS layers and this rank's heads
+    (tp.shard_model; the all-reduces left out: they change no shape), the draft replicated."""
+    with torch.device("meta"):
+        target = model.Transformer(model.ModelArgs(**{**config.to_dict(), "n_layer": LAYERS}))
+        if world_size > 1:
+            tp.shard_model(target, tp.Shard(0, world_size))
+            for layer in target.layers:
+                layer.attention.tp_reduce = layer.feed_forward.tp_reduce = None
+        if eagle3:
+            draft = Eagle3Draft(draft_config_for(target.config), 8192, eagle3_layer_ids(LAYERS))
+        else:
+            draft = EagleDraft(draft_config_for(target.config))
+    return target.to(dtype), draft.to(dtype)
+
+
+def _chain(n: int) -> Tree:
+    """A tree of n nodes on the meta device (only its shapes reach the launch)."""
+    long = dict(dtype=torch.long, device="meta")
+    return Tree(torch.zeros(1, n, **long), torch.zeros(1, n, **long), torch.zeros(1, n, **long),
+                torch.zeros(1, n, n, dtype=torch.bool, device="meta"), torch.zeros(1, n, n, **long))
+
+
+@torch.no_grad()
+def tree_launches(config, world_size: int, dtype, cache_slots, round_shapes, verify_nodes, static=True,
+                  eagle3=True):
+    """Speculative rounds (draft catch-up and levels, verify) at every cache size, and verifies of
+    each node count, run on the meta device. Call inside recording()."""
+    target, draft = meta_models(config, world_size, dtype)
+    cache_slots = [s for s in cache_slots if s + 2 * 128 <= config.block_size] or [config.block_size // 2]
+    for slots in cache_slots:
+        specs = [speculative.Speculator(target, draft, tree_top_k=k, tree_depth=d, tree_tokens=t)
+                 for k, d, t in round_shapes]
+        if static:
+            specs.append(speculative.Speculator(target, draft, static=static_tree(mc_sim_7b_63)))
+        if eagle3:
+            specs.append(speculative.Speculator(*meta_models(config, world_size, dtype, eagle3=True),
+                                                tree_top_k=10, tree_depth=8, tree_tokens=60))
+        for spec in specs:
+            spec.setup(1, slots)
+            spec.round()
+        if verify_nodes:  # one cache with room for the largest tree; the tree is in its last n slots
+            spec = speculative.Speculator(target, draft, tree_top_k=12, tree_depth=2, tree_tokens=max(verify_nodes))
+            spec.setup(1, slots)
+            for n in verify_nodes:
+                spec.n_nodes = n
+                spec.verify(_chain(n))
+
+
+@torch.no_grad()
+def int8_launches(config, world_size: int, dtype, rows):
+    """int8_matmul for every int8 layer of the (sharded) target and its draft, at each row count.
+    quantize.WeightOnlyInt8Linear hands it 2 .. CUDA_INT8_KERNEL_ROWS rows on CUDA. Call inside
+    recording()."""
+    target, draft = meta_models(config, world_size, dtype)
+    layers = {}
+    for m in (target, draft):
+        quantize.quantize_model(m, "int8")
+        for lin in m.modules():
+            if isinstance(lin, quantize.WeightOnlyInt8Linear):
+                layers[lin.weight.shape] = lin
+    for lin in layers.values():
+        for m in rows:
+            int8_matmul.int8_matmul(torch.empty(m, lin.in_features, dtype=dtype, device="meta"),
+                                    lin.weight, lin.scales.to(dtype))
+
+
+def tune_launches():
+    """What scripts/tune_kernels.py launches, each setting of its sweeps (bfloat16). Call inside recording()."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tune_kernels
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    for setting in tune_kernels.variations(tree_attention, tune_kernels.SWEEPS["tree_attention"]):
+        with tune_kernels.constants(tree_attention, setting):
+            for _, H, KV, D, T, R, prefix in tune_kernels.TREE_CASES:
+                S = tune_kernels.TREE_CACHE + R
+                tree_attention.tree_attention(torch.empty(1, H, T, D, **meta), torch.empty(1, KV, S, D, **meta),
+                                              torch.empty(1, KV, S, D, **meta),
+                                              torch.empty(1, dtype=torch.long, device="meta"),
+                                              torch.empty(1, T, R, dtype=torch.bool, device="meta"))
+    for setting in tune_kernels.variations(int8_matmul, tune_kernels.SWEEPS["int8_matmul"]):
+        with tune_kernels.constants(int8_matmul, setting):
+            for M in tune_kernels.INT8_ROWS:
+                for N, K, _ in tune_kernels.INT8_SHAPES:
+                    int8_matmul.int8_matmul(torch.empty(M, K, **meta), torch.empty(N, K, dtype=torch.int8, device="meta"),
+                                            torch.empty(N, **meta))
+
+
+def gather(capability: tuple, quick: bool = False, log=None) -> list:
+    """Every launch of the sweep (quick: the representative set) as the host code chooses on a
+    GPU of this capability."""
+    if quick:
+        shards = [s for s in model_shards(["llama-2-7b", "llama-3-8b", "SmolLM2-135M"]) if s[1] <= 2]
+        dtypes, slots, shapes, nodes, rows = (torch.bfloat16, torch.float32), (300, 4096), ((10, 6, 60),), \
+            (2, 16, 60, 128), (2, 16, 60, 100, 128)
+    else:
+        shards, dtypes, slots, shapes, nodes, rows = model_shards(), DTYPES, CACHE_SLOTS, ROUND_SHAPES, VERIFY_NODES, \
+            range(2, quantize.CUDA_INT8_KERNEL_ROWS + 1)
+    with recording(capability) as launches:
+        seen = {}  # the launches of a shard depend on its attention and layer shapes only: gathered once
+        for i, (name, n, config) in enumerate(shards):
+            c = config
+            attention = (c.n_head // n, c.n_local_heads // n, c.head_dim, c.n_head, c.n_local_heads,
+                         c.block_size, c.sliding_window)
+            layers = (c.dim, c.intermediate_size // n, c.n_head * c.head_dim // n, c.n_local_heads * c.head_dim // n,
+                      c.vocab_size, c.qkv_bias, c.num_experts)
+            for key, gather_one in ((("tree",) + attention, lambda d: tree_launches(
+                    config, n, d, slots, shapes, nodes, static=not quick, eagle3=not quick)),
+                    (("int8",) + layers, lambda d: int8_launches(config, n, d, rows))):
+                if key not in seen:
+                    start = len(launches)
+                    for dtype in dtypes:
+                        gather_one(dtype)
+                    seen[key] = launches[start:]
+                else:
+                    launches.extend(seen[key])
+            if log:
+                log(f"  {name} TP={n}: {len(launches)} launches so far ({i + 1}/{len(shards)})")
+        tune_launches()
+    return launches
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling: one binary per resource class and target
+# ---------------------------------------------------------------------------------------------
+def unavailable() -> str:
+    """Why this machine cannot compile for an NVIDIA GPU ahead of time, or "" when it can."""
+    try:
+        import triton
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    if "nvidia" not in backends:
+        return "this Triton has no CUDA backend"
+    if not hasattr(triton, "knobs"):
+        return f"Triton {triton.__version__} has no triton.knobs (3.4 or newer needed)"
+    try:
+        ptxas = triton.knobs.nvidia.ptxas  # the one Triton ships, or $TRITON_PTXAS_PATH; None if neither
+    except Exception as e:  # noqa: BLE001 - whatever a Triton without its ptxas raises
+        return f"no ptxas ({type(e).__name__}: {e})"
+    if ptxas is None or not os.path.exists(ptxas.path):
+        return "Triton finds no ptxas"
+    return ""
+
+
+def compilable(name: str):
+    """The module `name` loaded afresh from its file with Triton's interpreter off, so that its
+    kernels are JITFunctions (a test session may have imported it under TRITON_INTERPRET=1)."""
+    spec = importlib.util.spec_from_file_location(f"_kernel_fit_{name}", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):
+        spec.loader.exec_module(module)
+    return module
+
+
+class Compiler:
+    """Triton's launch-time specialization and ahead-of-time compilation, for a CUDA target."""
+
+    def __init__(self):
+        self.modules = {name: compilable(name) for name in KERNELS}
+        self.binders = {}
+
+    def _bind(self, launch: Launch, capability: tuple):
+        """(jit function, backend, target, the launch's specialization: what Triton keys its cache on)."""
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.jit import MockTensor, create_function_from_signature
+
+        jit = getattr(self.modules[launch.module], launch.kernel)
+        key = (launch.kernel, capability)
+        if key not in self.binders:
+            target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+            backend = make_backend(target)
+            self.binders[key] = (target, backend, create_function_from_signature(jit.signature, jit.params, backend))
+        target, backend, binder = self.binders[key]
+        # MockTensor: a tensor of that dtype at a 16-byte aligned address, as Triton's warmup() passes
+        args = [MockTensor(a.dtype) if isinstance(a, torch.Tensor) else a for a in launch.args]
+        bound, specialization, options = binder(*args, **launch.kwargs)
+        return jit, backend, target, bound, specialization, options
+
+    def class_key(self, launch: Launch, capability: tuple) -> str:
+        _, _, _, _, specialization, options = self._bind(launch, capability)
+        return f"{launch.kernel}|{specialization}|{options}"
+
+    def compile(self, launch: Launch, capability: tuple) -> dict:
+        """shared (bytes), registers, spill stores (bytes) of the launch's binary, or error."""
+        import triton
+        from triton import knobs
+        from triton.compiler import ASTSource
+
+        jit, backend, target, bound, specialization, options = self._bind(launch, capability)
+        options, signature, constexprs, attrs = jit._pack_args(backend, launch.kwargs, bound, specialization, options)
+        log = io.StringIO()
+        start = time.perf_counter()
+        try:
+            with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+                knobs.nvidia.dump_ptxas_log = True  # printed by a real compile only: no cache
+                knobs.compilation.always_compile = True
+                compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target,
+                                          options=vars(options))
+        except Exception as e:  # noqa: BLE001 - a compile error is a result here
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return dict(error=f"{type(e).__name__}: {first}"[:300], seconds=time.perf_counter() - start)
+        text = log.getvalue()
+        regs = re.search(r"Used (\d+) registers", text)
+        spills = re.search(r"(\d+) bytes spill stores", text)
+        return dict(shared=compiled.metadata.shared, registers=int(regs.group(1)) if regs else None,
+                    spill_stores=int(spills.group(1)) if spills else 0, seconds=time.perf_counter() - start)
+
+
+def config_key(launch: Launch) -> tuple:
+    """What a launch's resources depend on, short of the integers Triton specializes on: kernel,
+    tensor dtypes, constants (split or not; the split count only bounds a loop), warps and stages.
+    --quick compiles one class of each: a third of the classes, each compiled alike."""
+    consts = tuple(sorted((k, v) for k, v in launch.kwargs.items() if k != "N_SPLITS"))
+    dtypes = tuple(str(a.dtype) for a in launch.args if isinstance(a, torch.Tensor))
+    return launch.kernel, dtypes, consts, launch.kwargs.get("N_SPLITS", 1) > 1
+
+
+def host_bound(launch: Launch) -> int:
+    """The shared memory the host code assumed when it chose the launch (its module's shared_bytes)."""
+    kw = launch.kwargs
+    if launch.kernel == "_tree_attention_kernel":
+        return tree_attention.shared_bytes(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_D"], kw["num_stages"],
+                                           launch.args[0].dtype.itemsize)
+    if launch.kernel == "_int8_matmul_kernel":
+        return int8_matmul.shared_bytes(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_stages"],
+                                        launch.args[0].dtype.itemsize)
+    return None  # the merge kernel: no dot, no pipelined loads
+
+
+def describe(launch: Launch) -> str:
+    """"tree_attention bfloat16: D 128, ..., warps 8, stages 2": the kernel, its inputs' dtype (the
+    merge's output: its inputs are float32 partials) and its constants."""
+    tensor = launch.args[3] if launch.kernel == "_merge_kernel" else launch.args[0]
+    dtype = str(tensor.dtype).replace("torch.", "")
+    consts = ", ".join(f"{k} {v}" for k, v in launch.kwargs.items() if k not in ("num_warps", "num_stages"))
+    return (f"{launch.kernel.strip('_').replace('_kernel', '')} {dtype}: {consts}, "
+            f"warps {launch.kwargs.get('num_warps', 4)}, stages {launch.kwargs.get('num_stages', 3)}")
+
+
+def check(targets, quick: bool = False, log=print) -> dict:
+    """Gather and compile for each target (quick: the representative set, one class per
+    config_key); returns the report that markdown() writes out."""
+    compiler = Compiler()
+    report = dict(targets={}, classes=[])
+    classes = {}  # (target, class key) -> result row
+    for name in targets:
+        capability, t0 = TARGETS[name], time.perf_counter()
+        limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+        launches = gather(capability, quick, log=None if quick else log)
+        groups = {}
+        for launch in launches:
+            key = config_key(launch) if quick else compiler.class_key(launch, capability)
+            groups.setdefault(key, []).append(launch)
+        log(f"{name}: {len(launches)} launches in {len(groups)} classes (gathered in {time.perf_counter() - t0:.0f} s)")
+        totals = dict(capability=".".join(map(str, capability)), limit=limit, launches=len(launches),
+                      classes=len(groups), failed=0, over_limit=0, over_bound=0, spilling=0, launches_failed=0,
+                      launches_over_limit=0)
+        for i, (key, members) in enumerate(groups.items()):
+            result = compiler.compile(members[0], capability)
+            bound = host_bound(members[0])
+            row = dict(target=name, kernel=members[0].kernel, launch=describe(members[0]), launches=len(members),
+                       limit=limit, bound=bound, key=key, **result)
+            if "error" in row:
+                totals["failed"] += 1
+                totals["launches_failed"] += len(members)
+            else:
+                row["fits"] = row["shared"] <= limit
+                totals["over_limit"] += not row["fits"]
+                totals["launches_over_limit"] += 0 if row["fits"] else len(members)
+                totals["over_bound"] += bound is not None and row["shared"] > bound
+                totals["spilling"] += row["spill_stores"] > 0
+            classes[name, key] = row
+            if not quick and (i + 1) % 25 == 0:
+                log(f"  {name}: compiled {i + 1}/{len(groups)}")
+        totals["seconds"] = round(time.perf_counter() - t0, 1)
+        report["targets"][name] = totals
+        log(f"{name}: {totals}")
+    report["classes"] = list(classes.values())
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+def markdown(report: dict) -> str:
+    lines = [f"# Triton launches against the per-block shared-memory limit, ahead of time", "",
+             f"- date: {report['date']}; torch {report['torch']}, triton {report['triton']}",
+             f"- command: `{report['command']}`",
+             f"- sweep: {report['sweep']}", "",
+             "| target | limit (B) | launches | classes | compile failures | over the limit (classes / launches) | "
+             "over the host's bound | spilling classes | time (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, t in report["targets"].items():
+        lines.append(f"| {name} ({t['capability']}) | {t['limit']:,} | {t['launches']:,} | {t['classes']} | "
+                     f"{t['failed']} | {t['over_limit']} / {t['launches_over_limit']} | {t['over_bound']} | "
+                     f"{t['spilling']} | {t['seconds']} |")
+    lines += ["", "Every resource class: the binary one launch configuration compiles to (shared memory in bytes; "
+              "registers per thread; ptxas spill stores in bytes per thread). Rows with the same launch differ in "
+              "the integers Triton specializes on.", "",
+              "| target | launch | launches | shared | bound | registers | spills | fits |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(report["classes"], key=lambda r: (r["target"], r["launch"], -r["launches"])):
+        if "error" in r:
+            lines.append(f"| {r['target']} | {r['launch']} | {r['launches']} | compile error: {r['error']} | | | | no |")
+        else:
+            lines.append(f"| {r['target']} | {r['launch']} | {r['launches']} | {r['shared']:,} | "
+                         f"{r['bound'] if r['bound'] is not None else '-'} | {r['registers']} | {r['spill_stores']} | "
+                         f"{'yes' if r['fits'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    p.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=None,
+                   help=f"default: all ({', '.join(TARGETS)}); --quick: {', '.join(QUICK_TARGETS)}")
+    p.add_argument("--quick", action="store_true", help="the representative set of tests/test_kernel_fit.py")
+    args = p.parse_args(argv)
+    why = unavailable()
+    if why:
+        sys.exit(f"error: cannot compile for NVIDIA GPUs here: {why}")
+    import triton
+
+    targets = args.targets or (QUICK_TARGETS if args.quick else tuple(TARGETS))
+    report = check(targets, args.quick, log=lambda s: print(s, file=sys.stderr, flush=True))
+    report.update(date=time.strftime("%Y-%m-%d", time.gmtime()), torch=torch.__version__, triton=triton.__version__,
+                  command="python scripts/kernel_fit.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  sweep="quick (tests/test_kernel_fit.py)" if args.quick else (
+                      f"{len(model_shards())} model/TP pairs ({len(model.transformer_configs)} named configs, TP 1-8), "
+                      f"{', '.join(str(d).replace('torch.', '') for d in DTYPES)}, caches of {CACHE_SLOTS} slots, "
+                      f"EAGLE-2 rounds {ROUND_SHAPES} (top_k, depth, tokens), EAGLE-1 mc_sim_7b_63, EAGLE-3 (10, 8, 60), "
+                      f"verify of {VERIFY_NODES.start}-{VERIFY_NODES.stop - 1} nodes, int8 at 2-"
+                      f"{quantize.CUDA_INT8_KERNEL_ROWS} rows, scripts/tune_kernels.py's sweeps"))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
+        Path(f"{args.out}.md").write_text(markdown(report))
+        print(f"wrote {args.out}.json, .md", file=sys.stderr)
+    bad = sum(t["failed"] + t["over_limit"] for t in report["targets"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""scripts/kernel_fit.py on the representative set: every launch configuration the host code
+chooses (speculative rounds and verifies of LLaMA-2-7B, LLaMA-3-8B and SmolLM2-135M at TP 1-2, in
+bfloat16 and float32, int8 layers at 2-128 rows, scripts/tune_kernels.py's sweeps), compiled ahead
+of time for sm_80, sm_86 and sm_90 with Triton's CUDA backend and the ptxas it ships: no compile
+error, shared memory within each GPU's per-block limit, and within the bound the host code chose
+by. The full sweep is the script's (benchmarks/kernel_fit.md). Skips where Triton cannot compile
+for NVIDIA GPUs; no GPU needed.
+"""
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import kernel_fit  # noqa: E402
+
+pytestmark = pytest.mark.skipif(bool(kernel_fit.unavailable()),
+                                reason=f"no ahead-of-time CUDA compilation here: {kernel_fit.unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return kernel_fit.check(kernel_fit.QUICK_TARGETS, quick=True, log=lambda line: None)
+
+
+@pytest.mark.parametrize("target", kernel_fit.QUICK_TARGETS)
+def test_every_launch_compiles_and_fits(report, target):
+    rows = [r for r in report["classes"] if r["target"] == target]
+    totals = report["targets"][target]
+    assert sum(r["launches"] for r in rows) == totals["launches"] > 500  # every launch is in a class
+    assert [f"{r['launch']}: {r['error']}" for r in rows if "error" in r] == []
+    assert [(r["launch"], r["shared"]) for r in rows if r["shared"] > totals["limit"]] == []
+
+
+def test_the_bound_the_host_code_chose_by_holds(report):
+    """tree_attention.shared_bytes and int8_matmul.shared_bytes are upper bounds of what the
+    compiler allocates: on a GPU with another limit the host code's choice fits as well."""
+    checked = [r for r in report["classes"] if "error" not in r and r["bound"] is not None]
+    assert len(checked) > 10
+    assert [(r["target"], r["launch"], r["shared"], r["bound"]) for r in checked if r["shared"] > r["bound"]] == []
+
+
+def test_the_set_holds_the_launches_that_did_not_fit(report):
+    """The representative set has what the issue found over sm_86's limit, in their new form:
+    int8 of 65-128 rows in bfloat16 and float32, the float32 tree kernel at head_dim 64 and 128,
+    the 16-bit tree kernel at head_dim 128, tune_kernels' three stages."""
+    launches = {r["launch"] for r in report["classes"] if r["target"] == "sm_86"}
+
+    def has(*words):
+        return any(all(w in launch for w in words) for launch in launches)
+
+    assert has("int8_matmul bfloat16", "BLOCK_M 128") and has("int8_matmul float32", "BLOCK_M 64")
+    assert has("tree_attention float32", "D 128") and has("tree_attention float32", "D 64")
+    assert has("tree_attention bfloat16", "D 128", "BLOCK_M 64") and has("tree_attention bfloat16", "D 64", "BLOCK_M 128")
+    assert has("merge bfloat16", "N_SPLITS 8")
+
+
+def test_the_check_catches_a_launch_over_the_limit():
+    """The module's int8 constants as launched before (128 x 128 x 4 stages for 65-128 rows of
+    bfloat16) compile to 110,592 bytes of shared memory: over sm_86's 101,376, within sm_80's."""
+    compiler = kernel_fit.Compiler()
+    old = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    args = (torch.empty(100, 4096, dtype=torch.bfloat16, device="meta"),
+            torch.empty(4096, 4096, dtype=torch.int8, device="meta"),
+            torch.empty(4096, dtype=torch.bfloat16, device="meta"), torch.empty(100, 4096, dtype=torch.bfloat16,
+                                                                                device="meta"),
+            100, 4096, 4096, 4096, 4096, 4096)
+    launch = kernel_fit.Launch("int8_matmul", "_int8_matmul_kernel", args, old)
+    sm86 = compiler.compile(launch, (8, 6))
+    assert sm86["shared"] > kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[8, 6]
+    assert sm86["shared"] <= kernel_fit.int8_matmul.shared_bytes(128, 32, 128, 4, 2)
+    assert compiler.compile(launch, (8, 0))["shared"] <= kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[8, 0]
