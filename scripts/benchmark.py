@@ -532,6 +532,12 @@ def run_mt_bench(args, argv=None) -> dict:
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
     for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
         decode(probe_ids, min(args.max_new_tokens, 32))
+    # The plain step and the machine's read bandwidth, in this run (before the answers: a quiet moment)
+    step = decode_step_bandwidth(model, probe_ids, device)
+    step["read_gb_s"] = read_bandwidth_gb_s(device)
+    step["fraction_of_read"] = step["gb_s"] / step["read_gb_s"]
+    print(f"plain decode step {step['step_ms']:.2f} ms: {step['gb_s']:.1f} GB/s of weights, "
+          f"{step['fraction_of_read']:.0%} of the {step['read_gb_s']:.1f} GB/s read bandwidth", file=sys.stderr)
 
     answers, peaks = [], {key: 0.0 for key in decoders}
     total = sum(len(q["turns"]) for q in questions) * len(decoders)
@@ -587,7 +593,7 @@ def run_mt_bench(args, argv=None) -> dict:
         shape = shapes.get((r["method"], r["temperature"]))
         r["tree_tokens"] = None if shape is None else (
             shape["static"].parents.numel() if "static" in shape else shape.get("tree_tokens", 1)) + shape.get("lookup", 0)
-    return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model),
+    return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model), decode_step=step,
                 drafts={head: str(paths[head]) for head in drafts},
                 question_file=str(args.question_file), questions=len(asked), questions_left_out=len(questions) - len(asked),
                 max_new_tokens=args.max_new_tokens, context=context, seed=args.seed, methods=method_notes(args, shapes),
@@ -640,7 +646,11 @@ def mt_bench_markdown(report: dict) -> str:
              f"up to {report['max_new_tokens']} new tokens per answer"
              + (f" ({report['questions_left_out']} more left out by --time_budget)" if report["questions_left_out"] else ""),
              *[f"- {m}: {note}" for m, note in report["methods"].items()],
-             f"- peak memory: {report['peak_memory_note']}", "",
+             f"- peak memory: {report['peak_memory_note']}",
+             *([f"- plain decode step (vanilla, T=0, median of 40): {report['decode_step']['step_ms']:.2f} ms, "
+                f"{report['decode_step']['gb_s']:.1f} GB/s of weights = {report['decode_step']['fraction_of_read']:.0%} "
+                f"of the machine's read bandwidth, {report['decode_step']['read_gb_s']:.1f} GB/s (both in this run)"]
+               if "decode_step" in report else []), "",
              "| method | temperature | tok/s | speedup | τ | equal to vanilla | peak memory (GB) | tokens | rounds |",
              "|---|---|---|---|---|---|---|---|---|"]
     overall = [r for r in report["records"] if r["category"] == "overall"]
@@ -745,6 +755,38 @@ def copy_bandwidth_gb_s(device: str, nbytes: int, repeats: int = 20) -> float:
         dst.copy_(src)
     speculative.device_sync(device)
     return 2 * nbytes * repeats / (time.perf_counter() - t) / 1e9
+
+
+def read_bandwidth_gb_s(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Reading nbytes (float32, summed), the median of repeats: what a decode step's weight reads
+    can reach at most. 1 GiB: far past any cache."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        speculative.device_sync(device)
+        t = time.perf_counter()
+        x.sum()
+        speculative.device_sync(device)
+        times.append(time.perf_counter() - t)
+    return nbytes / sorted(times[1:])[repeats // 2] / 1e9
+
+
+def decode_step_bandwidth(model: Transformer, prompt_ids, device: str, steps: int = 40) -> dict:
+    """One plain decode step as the run decodes (gen.decode_one_token, compiled if the run is):
+    the median of `steps` after a warm-up, and the bandwidth of the weights it reads."""
+    token = gen.prefill(model, torch.tensor([prompt_ids], device=device), 0.0, None, None)
+    position = torch.tensor([len(prompt_ids)], device=device)
+    times = []
+    for _ in range(steps + 5):
+        speculative.device_sync(device)
+        t = time.perf_counter()
+        token = gen.decode_one_token(model, token.clone(), position, 0.0, None, None)
+        speculative.device_sync(device)
+        times.append(time.perf_counter() - t)
+        position += 1
+    step = sorted(times[5:])[steps // 2]
+    return dict(step_ms=step * 1e3, weight_bytes=gen.model_bytes_per_token(model),
+                gb_s=gen.model_bytes_per_token(model) / step / 1e9)
 
 
 def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:

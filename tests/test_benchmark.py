@@ -30,6 +30,8 @@ def test_eager_float32_baseline_row(tiny_checkpoint, tmp_path):
     rows = {r["method"]: r for r in report["records"] if r["category"] == "overall"}
     assert set(rows) == {"vanilla", bench.EAGER_FLOAT32} and rows[bench.EAGER_FLOAT32]["equal_to_vanilla"] == 1.0
     assert "float32" in report["methods"][bench.EAGER_FLOAT32]
+    step = report["decode_step"]  # the plain step's bandwidth against the machine's, in the same run
+    assert step["step_ms"] > 0 and step["read_gb_s"] > 0 and step["fraction_of_read"] == step["gb_s"] / step["read_gb_s"]
 
 
 def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
