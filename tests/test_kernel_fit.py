@@ -5,8 +5,15 @@ of time for sm_80, sm_86 and sm_90 with Triton's CUDA backend and the ptxas it s
 error, shared memory within each GPU's per-block limit, and within the bound the host code chose
 by. The full sweep is the script's (benchmarks/kernel_fit.md). Skips where Triton cannot compile
 for NVIDIA GPUs; no GPU needed.
+
+The compiles run in a fresh process: Triton's interpreter (tests/test_tree_attention.py and
+tests/test_int8_matmul.py run kernels in it) patches triton.language's builtins for good when a
+kernel calls a @triton.jit helper, and a real compile in the same process then fails.
 """
+import json
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -20,9 +27,20 @@ pytestmark = pytest.mark.skipif(bool(kernel_fit.unavailable()),
                                 reason=f"no ahead-of-time CUDA compilation here: {kernel_fit.unavailable()}")
 
 
+def fresh_python(code: str):
+    """Run `code` in a new interpreter (the scripts folder importable); what it prints, as JSON."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT / "scripts", capture_output=True,
+                          text=True, env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture(scope="module")
 def report():
-    return kernel_fit.check(kernel_fit.QUICK_TARGETS, quick=True, log=lambda line: None)
+    return fresh_python("""
+        import json, kernel_fit
+        print(json.dumps(kernel_fit.check(kernel_fit.QUICK_TARGETS, quick=True, log=lambda line: None)))
+    """)
 
 
 @pytest.mark.parametrize("target", kernel_fit.QUICK_TARGETS)
@@ -60,15 +78,18 @@ def test_the_set_holds_the_launches_that_did_not_fit(report):
 def test_the_check_catches_a_launch_over_the_limit():
     """The module's int8 constants as launched before (128 x 128 x 4 stages for 65-128 rows of
     bfloat16) compile to 110,592 bytes of shared memory: over sm_86's 101,376, within sm_80's."""
-    compiler = kernel_fit.Compiler()
-    old = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    args = (torch.empty(100, 4096, dtype=torch.bfloat16, device="meta"),
-            torch.empty(4096, 4096, dtype=torch.int8, device="meta"),
-            torch.empty(4096, dtype=torch.bfloat16, device="meta"), torch.empty(100, 4096, dtype=torch.bfloat16,
-                                                                                device="meta"),
-            100, 4096, 4096, 4096, 4096, 4096)
-    launch = kernel_fit.Launch("int8_matmul", "_int8_matmul_kernel", args, old)
-    sm86 = compiler.compile(launch, (8, 6))
-    assert sm86["shared"] > kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[8, 6]
-    assert sm86["shared"] <= kernel_fit.int8_matmul.shared_bytes(128, 32, 128, 4, 2)
-    assert compiler.compile(launch, (8, 0))["shared"] <= kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[8, 0]
+    got = fresh_python("""
+        import json, torch, kernel_fit
+        compiler = kernel_fit.Compiler()
+        old = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+        meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
+        args = (meta(100, 4096), meta(4096, 4096, dtype=torch.int8), meta(4096), meta(100, 4096),
+                100, 4096, 4096, 4096, 4096, 4096)
+        launch = kernel_fit.Launch("int8_matmul", "_int8_matmul_kernel", args, old)
+        print(json.dumps(dict(sm86=compiler.compile(launch, (8, 6))["shared"],
+                              sm80=compiler.compile(launch, (8, 0))["shared"],
+                              bound=kernel_fit.int8_matmul.shared_bytes(128, 32, 128, 4, 2))))
+    """)
+    limits = kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK
+    assert limits[8, 6] < got["sm86"] <= got["bound"]
+    assert got["sm80"] <= limits[8, 0]
