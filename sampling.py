@@ -48,9 +48,18 @@ def sample(logits: Tensor, temperature: float, top_k: Optional[int], top_p: Opti
     return sample_from(logits_to_probs(logits, temperature, top_k, top_p))
 
 
+def is_stop(tokens: Tensor, stop: Tensor) -> Tensor:
+    """Which of tokens (any shape) are stop tokens (stop: a 1-D tensor of ids), elementwise.
+
+    A broadcast comparison rather than torch.isin: isin sorts (and syncs with the host) once
+    there are more than a handful of ids (about 14 against a one-token row), which CUDA-graph
+    capture cannot record; a model has a few stop ids, so the comparison costs nothing."""
+    return (tokens[..., None] == stop).any(-1)
+
+
 def all_stopped(tokens: Tensor, stop: Tensor) -> bool:
     """Whether every row of tokens [B, n] holds a stop token (stop: a 1-D tensor of ids)."""
-    return bool(torch.isin(tokens, stop).any(dim=1).all()) if stop.numel() else False
+    return bool(is_stop(tokens, stop).any(dim=1).all()) if stop.numel() else False
 
 
 def cut_at_stop(ids: list, stop_ids) -> list:

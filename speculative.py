@@ -29,7 +29,7 @@ from torch import Tensor
 import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation
 from model import Transformer, TreeMask, copy_slots
-from sampling import cut_at_stop, logits_to_probs, sample, sample_from
+from sampling import cut_at_stop, is_stop, logits_to_probs, sample, sample_from
 from tree import Tree, graft_chain, tree_structure
 
 
@@ -101,7 +101,8 @@ class Speculator(nn.Module):
         history     the text so far, prompt included: tokens 0 .. prefix_len (prompt lookup reads it)
         cu_tokens, cu_features, cu_count   the draft's catch-up input: the last cu_count
                     (token, target feature) pairs the draft has not seen yet
-        out, n_out  the tokens generated so far;  done  the row has stopped (stop token or limit)
+        out, n_out  the tokens generated so far;  left  how many more it may emit
+        done        the row has stopped (stop token or max_new_tokens)
     static: a StaticTree (EAGLE-1), or None for the dynamic EAGLE-2 tree of tree_top_k/depth/tokens.
     lookup: prompt lookup's guesses (draft.lookup_continuation) as a chain of this many more nodes
     in every tree (tree.graft_chain); with draft None they are the whole tree (--speculate lookup).
@@ -153,7 +154,7 @@ class Speculator(nn.Module):
         """Caches and state for batch_size rows of up to max_seq_length tokens each, plus the
         tree regions at the ends of both caches. Everything a round reads lives on the model's
         device from here on: a tensor left on the host would cost a copy inside every round, split
-        its graph, or fail outright (torch.isin of a CUDA and a CPU tensor)."""
+        its graph, or fail outright (a comparison of a CUDA and a CPU tensor)."""
         device = self.target.norm.weight.device
         self.stop_ids = self.stop_ids.to(device)
         if self.static is not None:
@@ -173,7 +174,7 @@ class Speculator(nn.Module):
             cu_tokens=torch.zeros(B, D1, **long), cu_count=torch.zeros(B, **long),
             cu_features=torch.zeros(B, D1, self.feature_dim, dtype=self.target.norm.weight.dtype, device=device),
             out=torch.zeros(B, self.capacity, **long), n_out=torch.zeros(B, **long),
-            done=torch.zeros(B, dtype=torch.bool, device=device), limit=torch.zeros((), **long),
+            done=torch.zeros(B, dtype=torch.bool, device=device), left=torch.zeros(B, **long),
         ).items():
             self.register_buffer(name, value, persistent=False)
 
@@ -203,8 +204,12 @@ class Speculator(nn.Module):
         self.out.zero_()
         self.out[:, 0] = root
         self.n_out.fill_(1)
-        self.limit.fill_(max_new_tokens)
-        self.done.copy_(torch.isin(root, self.stop_ids) | (max_new_tokens <= 1))
+        # Tokens still to emit, counted down by every round and plain step. Not a constant limit that
+        # the graphs compare n_out with: Inductor's freezing folds every buffer a graph reads and
+        # never writes into the graph as a constant, so a limit would stay at the value of the call
+        # that compiled the graph (a warm-up's), whatever max_new_tokens later calls ask for.
+        self.left.fill_(max_new_tokens - 1)
+        self.done.copy_(is_stop(root, self.stop_ids) | (self.left <= 0))
 
     def round(self):
         """One speculative round over all rows; rows that are done are left as they are. Its phases
@@ -281,8 +286,9 @@ class Speculator(nn.Module):
         active = ~self.done
         self.out.scatter_(1, self.n_out[:, None] + steps, new_tokens)  # a done row's n_out stays: nothing lands
         self.history.scatter_(1, self.prefix_len[:, None] + 1 + steps, new_tokens)  # likewise past its text
-        stop_hit = (torch.isin(new_tokens, self.stop_ids) & (steps <= n_accepted[:, None])).any(1)
+        stop_hit = (is_stop(new_tokens, self.stop_ids) & (steps <= n_accepted[:, None])).any(1)
         self.n_out.add_(n_new * active)
+        self.left.sub_(n_new * active)
         self.prefix_len.add_(n_new * active)
         self.root.copy_(torch.where(active, bonus, self.root))
         if self.draft is not None:
@@ -290,7 +296,7 @@ class Speculator(nn.Module):
             self.cu_features.copy_(torch.where(active[:, None, None], features[rows[:, None], path.clamp(min=0)],
                                                self.cu_features))
             self.cu_count.copy_(torch.where(active, n_new, self.cu_count))
-        self.done.copy_(self.done | stop_hit | (self.n_out >= self.limit))
+        self.done.copy_(self.done | stop_hit | (self.left <= 0))
 
     # --- plain steps between rounds (speculative_generate's adaptive mode) ---------------------
     def plain_step(self):
@@ -316,9 +322,10 @@ class Speculator(nn.Module):
             self.cu_features[rows, at] = torch.where(active[:, None], feature, self.cu_features[rows, at])
             self.cu_count.add_(active.long())
         self.n_out.add_(active.long())
+        self.left.sub_(active.long())
         self.prefix_len.add_(active.long())
         self.root.copy_(torch.where(active, nxt, self.root))
-        self.done.copy_(self.done | (active & torch.isin(nxt, self.stop_ids)) | (self.n_out >= self.limit))
+        self.done.copy_(self.done | (active & is_stop(nxt, self.stop_ids)) | (self.left <= 0))
 
     def flush(self):
         """The draft reads the catch-up pairs that plain steps gathered; the last one stays for the
@@ -330,6 +337,11 @@ class Speculator(nn.Module):
         self.cu_tokens[:, 0] = self.cu_tokens[rows, last]
         self.cu_features[:, 0] = self.cu_features[rows, last]
         self.cu_count.copy_(self.cu_count.clamp(max=1))
+        # The catch-up above reads prefix_len, which this graph does not otherwise write: compiled
+        # with Inductor's freezing (CPU), a buffer a graph only reads becomes a constant of the graph
+        # (its value at compile time), and the draft would read later pairs at stale positions.
+        # Writing it back keeps it an input of the graph.
+        self.prefix_len.copy_(self.prefix_len)
 
     def lookup_signal(self) -> Tensor:
         """[B]: the n-gram length of prompt lookup's match at the text's end now (0: none)."""

@@ -246,6 +246,58 @@ def test_greedy_equals_vanilla_with_lookup_and_switching(method, modes):
     assert lookups >= 3  # rounds accepted guesses
 
 
+@torch.no_grad()
+def test_compiled_decoding_follows_every_call_and_accepts_what_eager_accepts():
+    """Compiled as generate.py compiles on a CPU (frozen graphs) and called as a program calls it:
+    a short warm-up compiles the round, the plain step and the flush, then other prompts ask for
+    more tokens, rounds and plain steps forced in turn. Inductor's freezing makes a constant of
+    every buffer a graph reads and never writes: a token limit frozen at the warm-up's value would
+    cut every later answer short, a position frozen in the flush would feed the draft stale
+    positions. Tokens equal vanilla's, and each call accepts what the eager engine accepts."""
+    target, draft = mirrored_pair()
+    eager, compiled = (speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=10, lookup=5)
+                       for _ in range(2))
+    for spec in (eager, compiled):
+        spec.setup(1, 128)
+    torch._dynamo.reset()
+    speculative.compile_round(compiled, compile_prefill=False)
+
+    def modes():
+        return itertools.cycle(["round", "plain", "plain", "round"])
+
+    speculative.speculative_generate(compiled, prompts(1, 512, seed=4)[0], 8, force_modes=modes())  # warm-up
+    for prompt in repetitive_prompts(3, 512, seed=1):
+        ids, emitted = speculative.speculative_generate(compiled, prompt, 40, force_modes=modes())
+        want, want_emitted = speculative.speculative_generate(eager, prompt, 40, force_modes=modes())
+        assert ids == want == vanilla(target, prompt, 40)
+        assert emitted == want_emitted
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_a_compiled_flush_writes_the_draft_cache_where_the_text_is_now():
+    """The flush (the draft catching up after plain steps) reads prefix_len and writes nothing
+    else that would keep it an input: frozen, it wrote the second answer's catch-up at the first
+    answer's positions (the draft's guesses then suffer, the output does not, so the test above
+    cannot see it)."""
+    target, draft = mirrored_pair()
+    spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=10)
+    spec.setup(1, 128)
+    torch._dynamo.reset()
+    speculative.compile_round(spec, compile_prefill=False)
+    cache = draft.layer.attention.kv_cache.k_cache
+    for length in (10, 30):  # the first flush compiles the graph
+        spec.prefill(torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(length)), 40)
+        spec.plain_step()
+        spec.plain_step()
+        before = cache.clone()
+        spec.flush()
+        written = (cache != before).any(-1).any(1)[0].nonzero().flatten().tolist()
+        # the catch-up input: the pair at the root's position (L - 1) and the two plain steps'
+        assert written[:3] == [length - 1, length, length + 1]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("with_draft", [False, True], ids=["lookup", "eagle2+lookup"])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (1.0, None, 0.8)])
 @torch.no_grad()

@@ -140,3 +140,82 @@ def test_compiled_round_is_one_graph_without_host_syncs_or_copies(case):
             moves = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (torch.device, str))]
             assert not moves, f"a device move inside the round: {node.format_node()}"
     torch._dynamo.reset()
+
+
+class MutationRecorder:
+    """A torch.compile backend through AOTAutograd that keeps, per graph, what CUDA-graph trees
+    decide by: the inputs the graph mutates, the ones that are static (parameters and buffers:
+    fixed addresses a CUDA graph may bake in), and the functional forward graph. Runs it as is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def forward(fx, inputs):
+            meta = torch._guards.TracingContext.try_get().fw_metadata
+            self.graphs.append(dict(
+                inputs=len(meta.input_info), static=set(meta.static_input_indices or ()), fx=fx,
+                mutated={i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata}))
+            return make_boxed_func(fx.forward)
+
+        return aot_autograd(fw_compiler=forward)(gm, example_inputs)
+
+
+def storage_sized(fx: torch.fx.GraphModule, numel: int) -> list:
+    """The nodes of fx that hold a tensor of the whole KV storage's size (every layer's cache: the
+    synthetic base AOTAutograd makes of overlapping inputs, or a copy of it)."""
+    return [node.format_node() for node in fx.graph.nodes
+            if isinstance(node.meta.get("val"), Tensor) and node.meta["val"].numel() == numel]
+
+
+def compiled_graphs_of_a_round(monkeypatch=None) -> tuple:
+    """(graphs, storage numel): the round, plain step and flush of an adaptive EAGLE-2 Speculator
+    and generate.py's decode step, compiled on the tiny model through MutationRecorder."""
+    import generate
+
+    torch._dynamo.reset()
+    target = tiny_target("tiny-llama")
+    spec = build("eagle2", target)
+    spec.setup(1, 64)
+    spec.prefill(torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0)), 16)
+    recorder = MutationRecorder()
+    speculative.compile_round(spec, compile_prefill=False, backend=recorder)
+    spec.round()
+    spec.plain_step()
+    spec.flush()
+    step = torch.compile(generate.decode_one_token, backend=recorder, fullgraph=True)
+    step(target, torch.zeros(1, dtype=torch.long), torch.tensor([20]), 0.0, None, None)
+    torch._dynamo.reset()
+    return recorder.graphs, target.kv_storage.numel()
+
+
+@torch.no_grad()
+def test_every_mutated_input_of_a_compiled_graph_is_static():
+    """CUDA-graph trees skip a graph that mutates an input without a fixed address ("mutated
+    inputs"), and a graph that mutates both kv_storage and the per-layer cache views overlapping it
+    gets them merged by AOTAutograd into one synthetic base: the static marks are lost and the
+    whole storage is copied every call. Round, plain step, flush and decode step: every mutated
+    input static (the caches, the Speculator's state buffers), nothing storage-sized inside."""
+    graphs, numel = compiled_graphs_of_a_round()
+    assert len(graphs) == 4  # round, plain_step, flush, decode step: one graph each
+    for g in graphs:
+        assert g["mutated"], "each of these graphs updates caches or state in place"
+        assert g["mutated"] <= g["static"], f"mutated inputs that are not static: {sorted(g['mutated'] - g['static'])}"
+        assert storage_sized(g["fx"], numel) == []
+
+
+@torch.no_grad()
+def test_the_mutation_check_catches_a_round_that_writes_kv_storage(monkeypatch):
+    """The check above fails on the round as it was: accepted K/V copied through kv_storage
+    inside the compiled graph (the eager path of model.copy_slots)."""
+    def copy_through_storage(model, src, dst):
+        rows = torch.arange(src.size(0), device=src.device)[:, None]
+        model.kv_storage[:, :, rows, :, dst] = model.kv_storage[:, :, rows, :, src]
+
+    monkeypatch.setattr(speculative, "copy_slots", copy_through_storage)
+    graphs, numel = compiled_graphs_of_a_round()
+    round_graph = graphs[0]
+    assert not round_graph["mutated"] <= round_graph["static"] or storage_sized(round_graph["fx"], numel)
