@@ -235,8 +235,9 @@ def parse_args(argv=None):
         errors.append(f"--prompt_file not found: {args.prompt_file}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         errors.append(f"--device {args.device} requested but CUDA is not available")
-    if args.compile and args.device == "cpu" and missing_cpu_compile_settings():
-        errors.append(f"--compile on a CPU needs {', '.join(missing_cpu_compile_settings())}, which torch "
+    missing = missing_cpu_compile_settings() if args.compile and args.device == "cpu" else []
+    if missing:
+        errors.append(f"--compile on a CPU needs {', '.join(missing)}, which torch "
                       f"{torch.__version__} lacks: upgrade torch (2.13 has them) or run without --compile")
     if args.attention == "triton" and not args.device.startswith("cuda"):
         errors.append(f"--attention triton runs on CUDA, not on --device {args.device} (use --attention sdpa)")

@@ -504,17 +504,21 @@ class ShapeCosts(NamedTuple):
         return self.other + first + (depth - 1) * level + self.verify_at(tokens + lookup)
 
     def verify_at(self, tokens: int) -> float:
-        """verify(tokens); where it was not measured, on the line through the two measured sizes
-        around it (the nearest two, past either end)."""
-        if tokens in self.verify:
-            return self.verify[tokens]
-        sizes = sorted(self.verify)
-        if len(sizes) == 1:
-            return self.verify[sizes[0]]
-        i = min(max(bisect.bisect(sizes, tokens), 1), len(sizes) - 1)
-        t0, t1 = sizes[i - 1], sizes[i]
-        v0, v1 = self.verify[t0], self.verify[t1]
-        return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+        """verify(tokens); where it was not measured, on the line through the measured sizes."""
+        return on_line(self.verify, tokens)
+
+
+def on_line(points: dict, x: float) -> float:
+    """points[x]; elsewhere on the line through the two points around x (the nearest two, past
+    either end; the one value if there is one)."""
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = min(max(bisect.bisect(xs, x), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
 
 
 def predicted_tau(probes: list, depth: int, tokens: int) -> float:
@@ -666,8 +670,7 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
                                           model.max_seq_length - T + torch.arange(T, device=device),
                                           TreeMask(spec.prefix_len, chain.ancestors)))
     if compiled_cpu:  # the rest in between, on the line through the two
-        (t0, v0), (t1, v1) = sorted(verify.items())
-        verify = {T: v0 + (v1 - v0) * (T - t0) / max(1, t1 - t0) for T in tokens if T <= largest}
+        verify = {T: on_line(verify, T) for T in tokens if T <= largest}
     token = spec.root.clone()
     position = spec.prefix_len.clone()
 

@@ -784,9 +784,8 @@ def decode_step_bandwidth(model: Transformer, prompt_ids, device: str, steps: in
         speculative.device_sync(device)
         times.append(time.perf_counter() - t)
         position += 1
-    step = sorted(times[5:])[steps // 2]
-    return dict(step_ms=step * 1e3, weight_bytes=gen.model_bytes_per_token(model),
-                gb_s=gen.model_bytes_per_token(model) / step / 1e9)
+    step, weight_bytes = sorted(times[5:])[steps // 2], gen.model_bytes_per_token(model)
+    return dict(step_ms=step * 1e3, weight_bytes=weight_bytes, gb_s=weight_bytes / step / 1e9)
 
 
 def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
