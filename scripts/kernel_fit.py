@@ -124,7 +124,8 @@ def meta_models(config, world_size: int, dtype, eagle3: bool = False):
             for layer in target.layers:
                 layer.attention.tp_reduce = layer.feed_forward.tp_reduce = None
         if eagle3:
-            draft = Eagle3Draft(draft_config_for(target.config), 8192, eagle3_layer_ids(LAYERS))
+            # a reduced vocabulary of 8192 tokens (the shipped heads' size), or the whole one of a tiny config
+            draft = Eagle3Draft(draft_config_for(target.config), min(8192, config.vocab_size), eagle3_layer_ids(LAYERS))
         else:
             draft = EagleDraft(draft_config_for(target.config))
     return target.to(dtype), draft.to(dtype)
