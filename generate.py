@@ -26,7 +26,8 @@ from torch import Tensor
 import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
-from model import Transformer, pack_linears, set_attention_backend
+from model import EAGER_INVARIANT_ROWS, INVARIANT_WINDOW, Transformer, pack_linears, set_attention_backend
+from quantize import mode_from_path
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
                          machine_key, missing_cpu_compile_settings, speculative_generate)
@@ -203,6 +204,10 @@ def parse_args(argv=None):
     g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
                    help="tree attention: triton = the fused kernel of tree_attention.py (CUDA only), sdpa = SDPA "
                         "with dense masks; auto: triton on CUDA when triton is installed, else sdpa")
+    p.add_argument("--batch_invariant", action="store_true",
+                   help="compute every token's logits bit for bit the same in a one-token step and in a verify "
+                        "of many (model.invariant_attention): greedy speculative output then equals plain "
+                        "decoding's in bfloat16 too (CPU, bfloat16)")
     p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
                    help="tensor parallelism (under torchrun): seconds a rank waits for the others, to join and "
                         "at each collective, before it gives up with an error")
@@ -264,7 +269,12 @@ def parse_args(argv=None):
     if errors:
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
-        args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile else "float32"
+        args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile or args.batch_invariant else "float32"
+    if args.batch_invariant and (args.device != "cpu" or args.dtype != "bfloat16"
+                                 or mode_from_path(args.checkpoint_path)[0] is not None):
+        p.error("--batch_invariant is built and checked for float bfloat16 checkpoints on a CPU (its GEMMs are "
+                f"row-count invariant there), not --device {args.device}, --dtype {args.dtype}, "
+                f"{args.checkpoint_path.name}")
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
@@ -380,6 +390,10 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
 def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: bool):
     """make_decoder's decode function for a Speculator: caches for max_seq_length tokens plus the
     last round's overshoot, compiled if asked."""
+    if spec.target.invariant_window is not None and not args.compile and spec.n_nodes > EAGER_INVARIANT_ROWS:
+        raise ValueError(f"--batch_invariant without --compile holds for trees of up to {EAGER_INVARIANT_ROWS} "
+                         f"nodes (tree tokens + lookup), this one has {spec.n_nodes}: compile, or pass a smaller "
+                         f"--tree_tokens / --lookup")
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
     if args.compile:
         set_tensor_parallel_flags()
@@ -406,6 +420,8 @@ def main(argv=None):
     try:
         args.attention = set_attention_backend(args.attention, device)
         model = load_model(args.checkpoint_path, device, dtype, shard)
+        if args.batch_invariant:
+            model.invariant_window = INVARIANT_WINDOW
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -520,6 +536,8 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
                           mean_accepted=sum(rounds) / len(rounds) if rounds else 1.0)
     print("\n", file=sys.stderr)
     setting = f"{args.dtype}, {'compiled' if args.compile else 'eager'}"
+    if args.batch_invariant:
+        setting += ", batch-invariant"
     p, s = runs["plain"], runs["speculative"]
     lookup = getattr(args, "lookup", 0) or 0
     shape = {"none": "", "eagle": ", static tree", "lookup": f", {lookup} lookup tokens"}.get(
@@ -534,9 +552,10 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
     identical = p["token_ids"] == s["token_ids"]
     if args.temperature == 0:
         verdict = "the two answers are identical" if identical else "the answers differ"
-        if args.dtype != "float32":  # say it whether or not this answer met a near-tie
+        if args.dtype != "float32" and not args.batch_invariant:  # say it whether or not this answer met a near-tie
             verdict += (" (in bfloat16/float16 they can differ where two tokens nearly tie: the batched verify "
-                        "and the one-token step round differently; float32 gives identical answers)")
+                        "and the one-token step round differently; float32 or --batch_invariant give identical "
+                        "answers)")
         elif not identical:
             verdict += ": this is a bug, please report it"
     else:

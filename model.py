@@ -199,6 +199,28 @@ def copy_slots(model: "Transformer", src: Tensor, dst: Tensor):
         cache.v_cache[rows, :, dst] = v
 
 
+# Batch-invariant mode's window (Transformer.invariant_window): the recent positions each query
+# gathers in order. It bounds the depth of a verified tree (tree depth + prompt lookup's chain; the
+# defaults make 11); each decode step gathers this many keys more than it would read otherwise.
+INVARIANT_WINDOW = 32
+# Eager, the mode holds for verifies of up to this many tree nodes: torch 2.13's eager CPU GEMMs
+# (oneDNN, bf16) give each row the same bits for 1 to 32 rows, not for 48 or 64 (measured on
+# SmolLM2's shapes); compiled, the C++ GEMM templates do for 1 to 64 (tests/test_model.py).
+EAGER_INVARIANT_ROWS = 32
+
+
+class WindowMask(NamedTuple):
+    """The mask of batch-invariant attention (Transformer.invariant_window = W; window_mask builds
+    it, for one-token steps and tree verifies): the query at position p sees two parts, kept apart so that their layout depends on p only,
+    never on how many queries are computed together or where a tree put their ancestors.
+        old     cache slots < old_end[b, t] = p - W (committed text: slot = position), in place
+        recent  the W + 1 positions p - W .. p, gathered from wherever they sit into that order
+                (recent_slots[b, t, j], valid where recent_ok: positions below 0 are not)"""
+    old_end: Tensor       # [B, T] long
+    recent_slots: Tensor  # [B, T, W + 1] long
+    recent_ok: Tensor     # [B, T, W + 1] bool
+
+
 class TreeMask(NamedTuple):
     """The mask of tree queries, compact. Query i of row b sees the prefix, slots < prefix_len[b],
     and those slots of the tree region, the last R = visible.size(-1) slots of the cache, that
@@ -220,6 +242,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
+        # Batch-invariant attention (WindowMask): None, or W, the window of recent positions every
+        # query gathers in order; a verified tree must be at most W deep. Set by generate.py's
+        # --batch_invariant.
+        self.invariant_window: Optional[int] = None
         self.register_buffer("kv_storage", None, persistent=False)  # [n_layer, 2, B, KV, S, head_dim]: setup_caches
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
@@ -267,10 +293,20 @@ class Transformer(nn.Module):
             raise ValueError(f"layer_ids {tuple(layer_ids)} name layers the model does not have (it has {len(self.layers)})")
         if kv_len is not None and (isinstance(mask, TreeMask) or not 0 < kv_len <= self.max_seq_length):
             raise ValueError(f"kv_len must be in [1, {self.max_seq_length}] and comes without a TreeMask, got {kv_len}")
-        if kv_len is None and mask is None:
+        # Batch invariance is for the forwards whose rows decoding compares: a one-token step and a
+        # verify (a TreeMask). A multi-token causal forward is a prefill, which plain and speculative
+        # decoding share as it is (the same prompt, the same shapes, the same rounding): it keeps
+        # the usual attention, many times faster than the window form over hundreds of rows.
+        if self.invariant_window is not None and (T == 1 or isinstance(mask, TreeMask)):
+            if self.config.sliding_window is not None:
+                raise ValueError("batch-invariant attention does not support a sliding window")
+            mask, kv_len = window_mask(mask, input_pos, cache_pos, self.max_seq_length, self.invariant_window), None
+        elif kv_len is None and mask is None:
             kv_len = live_kv_len(cache_pos)
         slots = torch.arange(self.max_seq_length if kv_len is None else kv_len, device=idx.device)
-        if mask is None:
+        if isinstance(mask, WindowMask):
+            pass
+        elif mask is None:
             mask = slots <= cache_pos[..., None]
         elif kv_len is not None:
             mask = mask[..., :kv_len]
@@ -379,6 +415,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """The one place where queries meet the cache. q [B, H, T, D]; k, v [B, KV, S, D] (GQA: H is a
     multiple of KV, never materialised); mask [B, T, S] bool or a TreeMask. Every attention call
     goes through here, so a fused kernel can replace it for all callers at once."""
+    if isinstance(mask, WindowMask):
+        return invariant_attention(q, k, v, mask)
     if isinstance(mask, TreeMask):
         if _tree_kernel is not None and (q.is_cuda or _tree_kernel.INTERPRETED):
             return _tree_kernel.tree_attention(q, k, v, mask.prefix_len, mask.visible)
@@ -407,6 +445,63 @@ def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     scores = scores.view(B, KV, H // KV, T, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, KV, H // KV * T, -1)
     return (probs @ v).view(B, H, T, D)
+
+
+def window_mask(mask, input_pos: Tensor, cache_pos: Tensor, cache_len: int, window: int) -> WindowMask:
+    """The WindowMask of a forward whose mask is None (causal by slot: prefill, a decode step) or a
+    TreeMask (a verify: query i is node i of the tree region, at position prefix_len + its depth).
+    A tree's positions past the prefix are its ancestors, found by depth (the number of nodes a
+    node sees, less one), so node numbering does not matter."""
+    steps = torch.arange(window + 1, device=input_pos.device)
+    if mask is None:
+        recent = cache_pos[..., None] - window + steps  # slots are positions in committed text
+        return WindowMask(cache_pos - window, recent.clamp(0, cache_len - 1), recent >= 0)
+    if not isinstance(mask, TreeMask):
+        raise ValueError("batch-invariant attention takes a causal mask (None) or a TreeMask, not a dense mask")
+    B, T, R = mask.visible.shape
+    if T != R:
+        raise ValueError(f"batch-invariant attention needs one query per tree node, got {T} queries for {R} nodes")
+    depth = mask.visible.sum(-1) - 1  # [B, R]
+    # ancestors[b, i, d]: node i's ancestor at depth d (a spare column W + 1 takes the rest)
+    at = torch.where(mask.visible, depth[:, None, :], window + 1).clamp(max=window + 1)
+    ancestors = torch.zeros(B, T, window + 2, dtype=torch.long, device=at.device)
+    ancestors.scatter_(2, at, torch.arange(R, device=at.device).expand(B, T, R))
+    positions = input_pos[..., None] - window + steps
+    prefix_len = mask.prefix_len[:, None, None]
+    in_tree = cache_len - R + ancestors.gather(2, (positions - prefix_len).clamp(0, window))
+    recent = torch.where(positions < prefix_len, positions, in_tree)
+    return WindowMask(input_pos - window, recent.clamp(0, cache_len - 1), positions >= 0)
+
+
+def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Tensor:
+    """Attention whose every query row is computed bit for bit the same however many rows come
+    together and wherever a tree keeps their keys: the float32 products and sums of each row run
+    over a layout fixed by the row's position alone (every slot of the old part in place, then the
+    W + 1 recent positions in order), as elementwise products reduced by sum, which eager torch and
+    Inductor reduce row by row, never in GEMM blocks whose order depends on the row count (a bf16
+    GEMM over 48 rows already rounds some rows differently from one row: measured, torch 2.13).
+    q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
+    B, H, T, D = q.shape
+    KV, S = k.size(1), k.size(2)
+    if T > 16 and not torch.compiler.is_compiling():  # eager materialises the products: rows 16 at a time
+        parts = [invariant_attention(q[:, :, i:i + 16], k, v, WindowMask(*(t[:, i:i + 16] for t in mask)))
+                 for i in range(0, T, 16)]
+        return torch.cat(parts, dim=2)
+    qf = q.float().view(B, KV, H // KV, T, 1, D)
+    rows = torch.arange(B, device=q.device)[:, None, None]
+    k_recent = k[rows, :, mask.recent_slots].permute(0, 3, 1, 2, 4).float()  # [B, KV, T, W + 1, D]
+    v_recent = v[rows, :, mask.recent_slots].permute(0, 3, 1, 2, 4).float()
+    old_ok = torch.arange(S, device=q.device) < mask.old_end[..., None]  # [B, T, S]
+    scale = D ** -0.5
+    s_old = ((qf * k.float()[:, :, None, None]).sum(-1) * scale).masked_fill(~old_ok[:, None, None], float("-inf"))
+    s_recent = ((qf * k_recent[:, :, None]).sum(-1) * scale).masked_fill(~mask.recent_ok[:, None, None],
+                                                                         float("-inf"))
+    top = torch.maximum(s_old.amax(-1), s_recent.amax(-1))[..., None]  # finite: a query sees itself
+    e_old, e_recent = torch.exp(s_old - top), torch.exp(s_recent - top)
+    total = e_old.sum(-1) + e_recent.sum(-1)
+    out = (e_old[..., None] * v.float()[:, :, None, None]).sum(-2) + \
+        (e_recent[..., None] * v_recent[:, :, None]).sum(-2)
+    return (out / total[..., None]).to(q.dtype).view(B, H, T, D)
 
 
 class PackedLinear(nn.Module):

@@ -138,6 +138,10 @@ class Speculator(nn.Module):
         self.tree_top_k, self.tree_depth, self.tree_tokens = tree_top_k, tree_depth, tree_tokens  # the draft's tree
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.depth = tree_depth + lookup    # the most guesses a round can accept
+        window = getattr(target, "invariant_window", None)
+        if window is not None and self.depth > window:
+            raise ValueError(f"batch-invariant attention sees the last {window} positions in order: trees of depth "
+                             f"{self.depth} (tree depth + lookup) are too deep for it")
         self.n_nodes = tree_tokens + lookup  # the tokens a round verifies
         self.layer_ids = () if draft is None else draft.layer_ids
         self.sampling = (temperature, top_k, top_p)
@@ -808,6 +812,15 @@ PREFILL_OPTIONS = {"coordinate_descent_tuning": False, "fx_graph_cache": True}
 # per-function option of torch.compile it would be read too late to act.
 CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                 "coordinate_descent_tuning": False, "fx_graph_cache": True}
+# ... and for a model in batch-invariant mode (Transformer.invariant_window), where a token's row must
+# come out the same from a one-token step and a T-token verify (measured on the 2-core AMX machine,
+# SmolLM2-135M bf16, torch 2.13: without either setting the two graphs' rows differ from layer 0 on):
+#   CPP only               autotuning picks ATen's GEMM for some row counts and the C++ template
+#                          for others, which round differently (and the pick follows timing noise);
+#                          the template alone gave equal rows for 1 to 64 rows
+#   emulate_precision_casts  a fused kernel otherwise keeps a bf16 intermediate in float32, and
+#                          which ops fuse depends on the shapes
+CPU_INVARIANT = {"max_autotune_gemm_backends": "CPP", "emulate_precision_casts": True}
 
 
 # What cpu_backend uses, as (module, attribute), so that a torch without one of them gets a clear
@@ -862,9 +875,12 @@ def cpu_backend(*modules: nn.Module):
     process, on the first frozen compile, so every frozen compile must come through here."""
     from torch._inductor.compile_fx import compile_fx
     tag = weights_digest(*modules)
+    settings = dict(CPU_INDUCTOR)
+    if any(getattr(m, "invariant_window", None) is not None for m in modules):
+        settings.update(CPU_INVARIANT)
 
     def backend(gm, example_inputs):
-        with torch._inductor.config.patch(CPU_INDUCTOR), torch.compiler.config.patch(cache_key_tag=tag), \
+        with torch._inductor.config.patch(settings), torch.compiler.config.patch(cache_key_tag=tag), \
                 torch.backends.mkldnn.flags(enabled=False):
             return compile_fx(gm, example_inputs)
     return backend
@@ -890,7 +906,10 @@ def frozen(compiled):
     """compiled, called with Inductor's freezing flag on: dynamo may trace at any call (the first,
     or a recompile), and reads the flag then."""
     def call(*args, **kwargs):
-        with torch._inductor.config.patch(freezing=True):
+        # no_grad: with grad mode on, dynamo traces a training graph, which freezing leaves alone
+        # (weights stay graph inputs, no C++ GEMM templates: a decode step timed that way ran 56 ms
+        # instead of 15 here, and batch-invariant mode, which allows the templates only, cannot compile)
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
             return compiled(*args, **kwargs)
     return call
 

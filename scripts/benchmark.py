@@ -72,7 +72,7 @@ import speculative  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
-from model import ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
+from model import INVARIANT_WINDOW, ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
 from quantize import pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
@@ -82,6 +82,8 @@ HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eag
 ADAPTIVE = ("eagle2+lookup", "eagle3+lookup")  # decoded with speculative_generate(adaptive=True)
 PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods (vanilla stays the reference)
 EAGER_FLOAT32 = "vanilla_eager_float32"  # --eager_float32: plain decoding as the CPU ran it before --compile
+NOT_INVARIANT = "vanilla_not_invariant"  # --batch_invariant: plain decoding without the mode, what it costs
+PLAIN_STEP = gen.decode_one_token  # the uncompiled step (generate.compile_decoding rebinds gen's name)
 RANDOM_METHODS = ("eagle", "eagle2", "eagle3")  # random-weights mode: one round of each
 # The shared data folder sits beside the checkout on the development machine and inside it on the GPU machine.
 QUESTION_FILES = [ROOT.parent / "shared/data/mt_bench/question.jsonl", ROOT / "shared/data/mt_bench/question.jsonl"]
@@ -123,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto", help="as in generate.py")
+    p.add_argument("--batch_invariant", action="store_true",
+                   help="as in generate.py: the target in batch-invariant mode (vanilla too), so that bf16 greedy "
+                        "answers equal vanilla's")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None,
                    help="output path without suffix (default: benchmarks/mt_bench-MODEL or benchmarks/random-NAME)")
@@ -227,7 +232,9 @@ def parse_args(argv=None):
     if errors:
         p.error("\n  ".join(errors))
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+        args.dtype = "bfloat16" if args.device.startswith("cuda") or args.batch_invariant else "float32"
+    if args.batch_invariant and (args.random_weights or args.device != "cpu" or args.dtype != "bfloat16"):
+        p.error("--batch_invariant is built for MT-bench runs in bfloat16 on a CPU (as generate.py's)")
     if args.out is None:
         name = f"random-{args.model_name}" if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
         args.out = ROOT / "benchmarks" / name
@@ -273,6 +280,7 @@ def header(args, argv) -> dict:
     return {"hardware": hardware_name(args.device), "device": args.device, "dtype": args.dtype,
             "draft3_dtype": getattr(args, "draft3_dtype", None) or args.dtype,
             "compiled": args.compile, "attention": args.attention, "torch": torch.__version__,
+            "batch_invariant": getattr(args, "batch_invariant", False),
             "tensor_parallel": args.shard.world_size if args.shard else 1,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
@@ -457,6 +465,23 @@ def eager_float32(args, stop_ids, context: int) -> dict:
     return {(EAGER_FLOAT32, T): plain(T) for T in args.temperatures}
 
 
+def not_invariant(args, stop_ids, context: int) -> dict:
+    """{(NOT_INVARIANT, temperature): decode} for --batch_invariant: plain decoding of a copy of the
+    target without batch invariance, compiled on its own (its graph has the usual attention and
+    Inductor settings), beside the invariant vanilla: the mode's cost, measured in the same run."""
+    model = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype), args.shard)
+    model.setup_caches(1, context)
+    step = speculative.compile_function(PLAIN_STEP, args.device, (model,)) if args.compile else PLAIN_STEP
+
+    def plain(T):
+        def decode(prompt_ids, max_new_tokens):
+            prompt = torch.tensor([prompt_ids], device=args.device)
+            return gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T,
+                                decode_fn=step)[0], None
+        return decode
+    return {(NOT_INVARIANT, T): plain(T) for T in args.temperatures}
+
+
 def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
     over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
@@ -479,7 +504,7 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
     for r in records:
         r["speedup"] = r["tokens_per_s"] / vanilla[r["temperature"], r["category"]]
-    order = {m: i for i, m in enumerate(METHODS + PEERS + (EAGER_FLOAT32,))}
+    order = {m: i for i, m in enumerate(METHODS + PEERS + (EAGER_FLOAT32, NOT_INVARIANT))}
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
 
 
@@ -491,6 +516,8 @@ def run_mt_bench(args, argv=None) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
     args.attention = set_attention_backend(args.attention, device)
     model = load_model(args.checkpoint_path, device, dtype, args.shard)
+    if args.batch_invariant:
+        model.invariant_window = INVARIANT_WINDOW
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
@@ -528,6 +555,9 @@ def run_mt_bench(args, argv=None) -> dict:
     if args.eager_float32:
         decoders.update(eager_float32(args, tokenizer.stop_ids, context))
         args.methods = [*args.methods, EAGER_FLOAT32]
+    if args.batch_invariant:
+        decoders.update(not_invariant(args, tokenizer.stop_ids, context))
+        args.methods = [*args.methods, NOT_INVARIANT]
 
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
     for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
@@ -628,6 +658,8 @@ def method_notes(args, shapes) -> dict:
         notes["hf_prompt_lookup"] = (f"as hf, with prompt-lookup decoding (prompt_lookup_num_tokens "
                                      f"{args.prompt_lookup_num_tokens}): guesses copied from earlier n-grams of the "
                                      f"prompt and answer, checked in one forward")
+    notes[NOT_INVARIANT] = ("plain decoding of a copy of the target without batch invariance (the mode's cost; its "
+                            "answers may differ from vanilla's in bf16)")
     notes[EAGER_FLOAT32] = "plain decoding, eager, float32 (a copy of the weights): the CPU default before --compile"
     return {m: notes[m] for m in args.methods}
 
@@ -640,7 +672,8 @@ def mt_bench_markdown(report: dict) -> str:
     lines = [f"# MT-bench: {report['model']}, {report['hardware']}", "",
              f"- date: {report['date']}", f"- command: `{report['command']}`",
              f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
-             f"attention: {report['attention']}, torch {report['torch']}",
+             f"attention: {report['attention']}, torch {report['torch']}"
+             + (", batch-invariant target" if report.get("batch_invariant") else ""),
              f"- heads: {', '.join(f'{k}: {v}' for k, v in report['drafts'].items()) or 'none'}",
              f"- {report['questions']} questions (both turns) from {Path(report['question_file']).name}, "
              f"up to {report['max_new_tokens']} new tokens per answer"
@@ -771,6 +804,7 @@ def read_bandwidth_gb_s(device: str, nbytes: int = 1 << 30, repeats: int = 10) -
     return nbytes / sorted(times[1:])[repeats // 2] / 1e9
 
 
+@torch.no_grad()
 def decode_step_bandwidth(model: Transformer, prompt_ids, device: str, steps: int = 40) -> dict:
     """One plain decode step as the run decodes (gen.decode_one_token, compiled if the run is):
     the median of `steps` after a warm-up, and the bandwidth of the weights it reads."""

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
-from model import pack_linears  # noqa: E402
+from model import INVARIANT_WINDOW, pack_linears  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -47,6 +47,7 @@ def parse_args(argv=None):
                    help="eagle3: the head's dtype (default: --dtype), as generate.py --draft_dtype")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--freezing", action="store_true", help="with --compile: inductor's freezing (weights as constants)")
+    p.add_argument("--batch_invariant", action="store_true", help="the target in batch-invariant mode (generate.py's)")
     p.add_argument("--tree_top_k", type=int, default=10)
     p.add_argument("--tree_depth", type=int, default=None, help="default: 6 for eagle2, 8 for eagle3")
     p.add_argument("--tree_tokens", type=int, default=16)
@@ -227,6 +228,8 @@ def main(argv=None):
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint_path, "cpu", dtype)
+    if args.batch_invariant:
+        model.invariant_window = INVARIANT_WINDOW
     draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
     if not args.compile:  # as generate.make_decoder runs eager mode: half-precision weights prepacked for oneDNN
@@ -236,6 +239,7 @@ def main(argv=None):
     prompt_ids_cache["probe"] = prompt_ids(tokenizer, 0)
     report = dict(command="python scripts/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
+                  batch_invariant=args.batch_invariant,
                   draft_dtype=args.draft_dtype or args.dtype,
                   speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
                                                       tokens=args.tree_tokens))
@@ -256,7 +260,7 @@ def markdown(report) -> str:
     e = report["eager"]
     lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} (draft "
              f"{report.get('draft_dtype', report['dtype'])}, {report['threads']} threads, "
-             f"torch {report['torch']})", "", f"- command: `{report['command']}`",
+             f"torch {report['torch']}{', batch-invariant target' if report.get('batch_invariant') else ''})", "", f"- command: `{report['command']}`",
              f"- tree: top_k {report['tree']['top_k']}, depth {report['tree']['depth']}, "
              f"{report['tree']['tokens']} tokens", "",
              f"Eager: a vanilla step {step:.1f} ms; a round {e['round_ms']:.1f} ms = {e['round_ms'] / step:.2f} steps, "

@@ -34,6 +34,21 @@ def test_eager_float32_baseline_row(tiny_checkpoint, tmp_path):
     assert step["step_ms"] > 0 and step["read_gb_s"] > 0 and step["fraction_of_read"] == step["gb_s"] / step["read_gb_s"]
 
 
+def test_batch_invariant_run_is_equal_and_times_the_plain_decoding_it_replaces(tiny_checkpoint, tmp_path):
+    """--batch_invariant (bf16): every speculative answer equals the invariant vanilla's at T=0,
+    and a row of plain decoding without the mode (its own copy of the weights) prices the mode."""
+    checkpoint, questions = tiny_checkpoint
+    report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--methods",
+                         "vanilla", "eagle2+lookup", "--tree_tokens", "12", "--num_questions", "2",
+                         "--max_new_tokens", "24", "--device", "cpu", "--temperatures", "0", "--batch_invariant",
+                         "--no_plot", "--out", str(tmp_path / "b")])
+    rows = {r["method"]: r for r in report["records"] if r["category"] == "overall"}
+    assert set(rows) == {"vanilla", "eagle2+lookup", bench.NOT_INVARIANT}
+    assert rows["eagle2+lookup"]["equal_to_vanilla"] == 1.0 and rows["eagle2+lookup"]["mean_accepted"] > 1
+    assert report["dtype"] == "bfloat16" and report["batch_invariant"]
+    assert "batch-invariant target" in (tmp_path / "b.md").read_text()
+
+
 def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
     checkpoint, questions = tiny_checkpoint
     out = tmp_path / "results" / "tiny"

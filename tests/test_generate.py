@@ -163,3 +163,23 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
     assert json.loads(out.read_text())["speedup"] == report["speedup"]
     with pytest.raises(SystemExit):
         gen.parse_args(["--compare"])  # nothing to compare with
+
+
+def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
+    """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
+    without the bf16 near-tie caveat; float32, CUDA, quantized files and eager trees larger than
+    EAGER_INVARIANT_ROWS are refused with one line."""
+    checkpoint, _ = tiny_checkpoint
+    report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
+                       "--speculate", "eagle2", "--tree_tokens", "16", "--lookup", "4", "--compare",
+                       "--max_new_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
+    err = capsys.readouterr().err
+    assert report["dtype"] == "bfloat16" and report["identical"]
+    assert "batch-invariant" in err and "the two answers are identical" in err and "nearly tie" not in err
+    for bad in (["--dtype", "float32"], ["--checkpoint_path", str(checkpoint.parent / "model_int8.pth")]):
+        with pytest.raises(SystemExit):
+            gen.parse_args(["--device", "cpu", "--batch_invariant", *bad])
+        assert "--batch_invariant is built and checked for float bfloat16 checkpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="holds for trees of up to 32 nodes"):
+        gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
+                  "--tree_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])

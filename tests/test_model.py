@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from model import ModelArgs, Transformer, copy_slots, transformer_configs
+from model import EAGER_INVARIANT_ROWS, ModelArgs, Transformer, TreeMask, copy_slots, transformer_configs
 
 TINY = ["tiny-llama", "tiny-llama-3.1", "tiny-qwen2"]
 
@@ -208,3 +208,108 @@ def test_forward_with_grad_mode_on_after_setup_without():
         model.setup_caches(1, 16)
     logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3))
     assert logits.shape == (1, 3, 512) and model.kv_storage[:, :, 0, :, :3].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-invariant mode: a token's row is the same from a one-token step and from a verify of many
+# ---------------------------------------------------------------------------------------------
+def _invariant_cases(model, dtype, P, T, region):
+    """The logits of T chain tokens after a P-token prefix: decoded one by one, and verified as
+    trees of `region` nodes whose chain nodes sit in order, spread out between decoys, and in
+    reverse order (node numbering must not matter)."""
+    S, V = model.max_seq_length, model.config.vocab_size
+    ids = torch.randint(0, V, (1, P + T), generator=torch.Generator().manual_seed(1))
+    model(ids[:, :P], torch.arange(P))
+    steps = torch.cat([model(ids[:, P + i:P + i + 1], torch.tensor([P + i])) for i in range(T)], 1)
+    cases = {}
+    step = region // T
+    orders = {"tree in order": list(range(T)), "tree spread": [i * step + step - 1 for i in range(T)],
+              "tree reversed": [region - 1 - i for i in range(T)]}
+    for name, order in orders.items():
+        tokens = torch.randint(0, V, (1, region), generator=torch.Generator().manual_seed(2))
+        depth = torch.zeros(1, region, dtype=torch.long)
+        visible = torch.eye(region, dtype=torch.bool)[None].clone()
+        for i, node in enumerate(order):
+            tokens[0, node], depth[0, node] = ids[0, P + i], i
+            visible[0, node, order[:i + 1]] = True
+        logits = model(tokens, P + depth, S - region + torch.arange(region), TreeMask(torch.tensor([P]), visible))
+        cases[name] = logits[:, order]
+    return steps, cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.no_grad()
+def test_batch_invariant_attention_is_attention(dtype):
+    """The window form computes the same attention as the usual one (within rounding)."""
+    model = make_model("tiny-llama", max_seq_length=96).to(dtype)
+    plain_steps, _ = _invariant_cases(model, dtype, 30, 12, 20)
+    model.invariant_window = 16
+    steps, cases = _invariant_cases(model, dtype, 30, 12, 20)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(steps.float(), plain_steps.float(), **tol)
+    torch.testing.assert_close(cases["tree reversed"].float(), plain_steps.float(), **tol)
+
+
+@pytest.mark.parametrize("name", TINY)
+@torch.no_grad()
+def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
+    """In bfloat16, eager: every row of a tree verify (T up to 24 chain tokens among 48 nodes, so
+    the eager path also splits its rows) equals the one-token step bit for bit. Without the mode
+    the spread-out tree differs (the next test)."""
+    model = make_model(name, max_seq_length=128).to(torch.bfloat16)
+    model.invariant_window = 32
+    for P, T, region in ((5, 3, 3), (40, 24, 48)):
+        model.setup_caches(1, 128)
+        steps, cases = _invariant_cases(model, torch.bfloat16, P, T, region)
+        for case, logits in cases.items():
+            assert torch.equal(logits, steps), (case, P, T)
+
+
+@torch.no_grad()
+def test_without_batch_invariance_a_spread_tree_rounds_differently_bf16():
+    """The defect the mode fixes, on SmolLM2's layer shapes with random weights (two layers), bf16,
+    eager: a verify of 48 nodes rounds its chain's rows differently from one-token steps; in the
+    mode a verify does not (eager: up to EAGER_INVARIANT_ROWS nodes, where torch's eager GEMMs
+    are row-count invariant; compiled, 64 in the next tests)."""
+    torch.manual_seed(0)
+    config = ModelArgs(**{**transformer_configs["SmolLM2-135M"], "n_layer": 2})
+    model = Transformer(config).eval().to(torch.bfloat16)
+    model.setup_caches(1, 256)
+    steps, cases = _invariant_cases(model, torch.bfloat16, 100, 12, 48)
+    assert not torch.equal(cases["tree spread"], steps)
+    model.invariant_window = 32
+    steps, cases = _invariant_cases(model, torch.bfloat16, 100, 12, EAGER_INVARIANT_ROWS)
+    assert all(torch.equal(logits, steps) for logits in cases.values())
+
+
+@torch.no_grad()
+def test_batch_invariant_compiled_step_and_verify_graphs_give_equal_rows():
+    """Compiled for the CPU (Inductor, freezing, C++ GEMM templates), the one-token step and the
+    verify are different graphs; in batch-invariant mode their rows agree bit for bit for trees of
+    8 and 64 nodes, bf16."""
+    import speculative
+    torch._dynamo.reset()
+    model = make_model("tiny-llama", max_seq_length=160).to(torch.bfloat16)
+    model.invariant_window = 32
+    compiled = speculative.compile_function(torch._dynamo.dont_skip_tracing(model.forward), "cpu", (model,))
+    eager_forward, model.forward = model.forward, compiled
+    try:
+        for P, T, region in ((20, 8, 16), (30, 30, 64)):
+            model.setup_caches(1, 160)
+            steps, cases = _invariant_cases(model, torch.bfloat16, P, T, region)
+            assert torch.equal(cases["tree spread"], steps), (T, region)
+            assert torch.equal(cases["tree reversed"], steps), (T, region)
+    finally:
+        model.forward = eager_forward
+        torch._dynamo.reset()
+
+
+def test_batch_invariant_mode_errors():
+    model = make_model("tiny-llama")
+    model.invariant_window = 4
+    dense = torch.ones(1, 1, 64, dtype=torch.bool)
+    with pytest.raises(ValueError, match="causal mask .None. or a TreeMask"):
+        model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]), mask=dense)
+    visible = torch.ones(1, 2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="one query per tree node"):
+        model(torch.zeros(1, 2, dtype=torch.long), torch.arange(2), torch.arange(2), TreeMask(torch.tensor([0]), visible))

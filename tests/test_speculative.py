@@ -206,6 +206,51 @@ def test_greedy_equals_vanilla_on_smollm2(smollm2_checkpoint):
             assert speculative.speculative_generate(spec, prompt, 24)[0] == expected, (method, text)
 
 
+@torch.no_grad()
+def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_checkpoint):
+    """bfloat16, where the batched verify and the one-token step round differently: with the
+    target in batch-invariant mode (generate.py --batch_invariant) every speculative answer equals
+    plain decoding's token for token, EAGLE-2 and EAGLE-3 heads with prompt lookup grafted on."""
+    from checkpoint import load_draft
+    from tokenizer import load_tokenizer
+
+    target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.bfloat16)
+    target.invariant_window = model.INVARIANT_WINDOW
+    tokenizer = load_tokenizer(smollm2_checkpoint)
+    specs = {}
+    for method, head in (("eagle2", "SmolLM2-135M-Instruct"), ("eagle3", "SmolLM2-135M-Instruct-eagle3")):
+        path = ROOT / "heads" / head
+        draft = load_draft(path, target.config, dtype=torch.bfloat16) if (path / "draft.safetensors").is_file() \
+            else draft_for(method, target).to(torch.bfloat16)
+        specs[method] = speculative.Speculator(target, draft, tree_top_k=8, tree_depth=4, tree_tokens=16, lookup=8,
+                                               stop_ids=tokenizer.stop_ids)
+    for text in CHAT_PROMPTS[:3]:
+        prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
+        expected = vanilla(target, prompt, 32, stop_ids=tokenizer.stop_ids)
+        for method, spec in specs.items():
+            assert speculative.speculative_generate(spec, prompt, 32)[0] == expected, (method, text)
+
+
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+@torch.no_grad()
+def test_greedy_equals_vanilla_in_bf16_with_batch_invariance(method):
+    """The same on a tiny bf16 target with random drafts, over many prompts and trees of 40 nodes."""
+    target = tiny_target("tiny-llama").to(torch.bfloat16)
+    target.invariant_window = model.INVARIANT_WINDOW
+    spec = speculative.Speculator(target, draft_for(method, target).to(torch.bfloat16), tree_top_k=6, tree_depth=5,
+                                  tree_tokens=40, lookup=4)
+    for prompt in prompts(6, 512):
+        ids, _ = speculative.speculative_generate(spec, prompt, 40)
+        assert ids == vanilla(target, prompt, 40), prompt
+
+
+def test_a_tree_deeper_than_the_invariant_window_is_an_error():
+    target = tiny_target("tiny-llama")
+    target.invariant_window = 6
+    with pytest.raises(ValueError, match="too deep"):
+        speculative.Speculator(target, random_draft(target), tree_top_k=4, tree_depth=4, tree_tokens=10, lookup=3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt lookup, hybrid trees, and adaptive decoding (rounds and plain steps mixed)
 # ---------------------------------------------------------------------------------------------
