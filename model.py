@@ -200,8 +200,9 @@ def copy_slots(model: "Transformer", src: Tensor, dst: Tensor):
 
 
 # Batch-invariant mode's window (Transformer.invariant_window): the recent positions each query
-# gathers in order. It bounds the depth of a verified tree (tree depth + prompt lookup's chain; the
-# defaults make 11); each decode step gathers this many keys more than it would read otherwise.
+# gathers in order. It bounds the depth of a verified tree (tree depth + prompt lookup's chain: 11
+# with the compiled CPU defaults, 16 with EAGLE-3's on a GPU); each decode step gathers this many
+# keys more than it would read otherwise.
 INVARIANT_WINDOW = 32
 # Eager, the mode holds for verifies of up to this many tree nodes: torch 2.13's eager CPU GEMMs
 # (oneDNN, bf16) give each row the same bits for 1 to 32 rows, not for 48 or 64 (measured on
@@ -211,8 +212,9 @@ EAGER_INVARIANT_ROWS = 32
 
 class WindowMask(NamedTuple):
     """The mask of batch-invariant attention (Transformer.invariant_window = W; window_mask builds
-    it, for one-token steps and tree verifies): the query at position p sees two parts, kept apart so that their layout depends on p only,
-    never on how many queries are computed together or where a tree put their ancestors.
+    it, for one-token steps and tree verifies): the query at position p sees two parts, kept apart
+    so that their layout depends on p only, never on how many queries are computed together or
+    where a tree put their ancestors.
         old     cache slots < old_end[b, t] = p - W (committed text: slot = position), in place
         recent  the W + 1 positions p - W .. p, gathered from wherever they sit into that order
                 (recent_slots[b, t, j], valid where recent_ok: positions below 0 are not)"""
@@ -304,9 +306,7 @@ class Transformer(nn.Module):
         elif kv_len is None and mask is None:
             kv_len = live_kv_len(cache_pos)
         slots = torch.arange(self.max_seq_length if kv_len is None else kv_len, device=idx.device)
-        if isinstance(mask, WindowMask):
-            pass
-        elif mask is None:
+        if mask is None:
             mask = slots <= cache_pos[..., None]
         elif kv_len is not None:
             mask = mask[..., :kv_len]
@@ -448,7 +448,7 @@ def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 
 def window_mask(mask, input_pos: Tensor, cache_pos: Tensor, cache_len: int, window: int) -> WindowMask:
-    """The WindowMask of a forward whose mask is None (causal by slot: prefill, a decode step) or a
+    """The WindowMask of a forward whose mask is None (causal by slot: a one-token decode step) or a
     TreeMask (a verify: query i is node i of the tree region, at position prefix_len + its depth).
     A tree's positions past the prefix are its ancestors, found by depth (the number of nodes a
     node sees, less one), so node numbering does not matter."""

@@ -19,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -821,6 +822,9 @@ CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 #   emulate_precision_casts  a fused kernel otherwise keeps a bf16 intermediate in float32, and
 #                          which ops fuse depends on the shapes
 CPU_INVARIANT = {"max_autotune_gemm_backends": "CPP", "emulate_precision_casts": True}
+# Autotuning prints each GEMM's candidates and timings to stderr (~50 lines on a first run of the
+# demo); a user of generate.py wants the answer. Set where this torch has them.
+CPU_QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
 # What cpu_backend uses, as (module, attribute), so that a torch without one of them gets a clear
@@ -875,14 +879,17 @@ def cpu_backend(*modules: nn.Module):
     process, on the first frozen compile, so every frozen compile must come through here."""
     from torch._inductor.compile_fx import compile_fx
     tag = weights_digest(*modules)
-    settings = dict(CPU_INDUCTOR)
+    settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
     if any(getattr(m, "invariant_window", None) is not None for m in modules):
         settings.update(CPU_INVARIANT)
 
     def backend(gm, example_inputs):
         with torch._inductor.config.patch(settings), torch.compiler.config.patch(cache_key_tag=tag), \
-                torch.backends.mkldnn.flags(enabled=False):
-            return compile_fx(gm, example_inputs)
+                warnings.catch_warnings():
+            # mkldnn.flags() warns that TF32 needs an Intel GPU every time it is entered: noise
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+            with torch.backends.mkldnn.flags(enabled=False):
+                return compile_fx(gm, example_inputs)
     return backend
 
 

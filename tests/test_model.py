@@ -312,4 +312,5 @@ def test_batch_invariant_mode_errors():
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]), mask=dense)
     visible = torch.ones(1, 2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="one query per tree node"):
-        model(torch.zeros(1, 2, dtype=torch.long), torch.arange(2), torch.arange(2), TreeMask(torch.tensor([0]), visible))
+        model(torch.zeros(1, 2, dtype=torch.long), torch.arange(2), torch.arange(2),
+              TreeMask(torch.tensor([0]), visible))
