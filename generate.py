@@ -270,11 +270,11 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile or args.batch_invariant else "float32"
-    if args.batch_invariant and (args.device != "cpu" or args.dtype != "bfloat16"
+    if args.batch_invariant and (args.device != "cpu" or args.dtype != "bfloat16" or tp.launched_by_torchrun()
                                  or mode_from_path(args.checkpoint_path)[0] is not None):
-        p.error("--batch_invariant is built and checked for float bfloat16 checkpoints on a CPU (its GEMMs are "
-                f"row-count invariant there), not --device {args.device}, --dtype {args.dtype}, "
-                f"{args.checkpoint_path.name}")
+        p.error("--batch_invariant is built and checked for float bfloat16 checkpoints on a CPU in one process (its "
+                f"GEMMs are row-count invariant there), not --device {args.device}, --dtype {args.dtype}, "
+                f"{args.checkpoint_path.name}{', tensor parallel' if tp.launched_by_torchrun() else ''}")
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):

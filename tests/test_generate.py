@@ -179,7 +179,7 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
     for bad in (["--dtype", "float32"], ["--checkpoint_path", str(checkpoint.parent / "model_int8.pth")]):
         with pytest.raises(SystemExit):
             gen.parse_args(["--device", "cpu", "--batch_invariant", *bad])
-        assert "--batch_invariant is built and checked for float bfloat16 checkpoints" in capsys.readouterr().err
+        assert "--batch_invariant is built and checked for float bfloat16 checkpoints on a CPU" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="holds for trees of up to 32 nodes"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
