@@ -881,6 +881,10 @@ def cpu_backend(*modules: nn.Module):
     tag = weights_digest(*modules)
     settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
     if any(getattr(m, "invariant_window", None) is not None for m in modules):
+        missing = [k for k in CPU_INVARIANT if not hasattr(torch._inductor.config, k)]
+        if missing:
+            raise RuntimeError(f"batch-invariant compiling needs torch._inductor.config.{', '.join(missing)}, which "
+                               f"torch {torch.__version__} lacks: upgrade torch (2.13 has them) or run without --compile")
         settings.update(CPU_INVARIANT)
 
     def backend(gm, example_inputs):
