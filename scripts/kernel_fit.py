@@ -13,6 +13,10 @@ settings scripts/tune_kernels.py sweeps. The kernels of tree_attention.py and in
 replaced by recorders while it runs, and the host code sees the shared-memory limit of the GPU
 being checked (tree_attention.SHARED_MEMORY_PER_BLOCK), as it would read it from the device.
 
+Identical launches are counted, not kept; what a model group's host code launches depends on
+the shared-memory limit only (sm_86 and sm_89 share theirs), so it is gathered once per limit and
+saved under --cache_dir, keyed by the host code's source: a stopped sweep resumes where it stopped.
+
 The launches fall into resource classes: Triton's own specialization key (argument types, the
 integers it specializes on, constants, warps, stages), what one compiled binary serves. Each class
 is compiled for each target with triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))
@@ -68,6 +72,42 @@ class Launch(NamedTuple):
     kernel: str   # the @triton.jit function's name
     args: tuple   # as passed; tensors (meta) kept for their dtype
     kwargs: dict  # constexprs, num_warps, num_stages
+
+
+def frozen(launch: Launch) -> tuple:
+    """A launch as plain values (tensors by their dtype's name): hashable, and what JSON keeps."""
+    args = tuple(("tensor", str(a.dtype).replace("torch.", "")) if isinstance(a, torch.Tensor) else a
+                 for a in launch.args)
+    return launch.module, launch.kernel, args, tuple(sorted(launch.kwargs.items()))
+
+
+def thawed(record) -> Launch:
+    """frozen()'s inverse (from JSON too): tensors come back as empty meta tensors of their dtype."""
+    module, kernel, args, kwargs = record
+    args = tuple(torch.empty(0, dtype=getattr(torch, a[1]), device="meta") if isinstance(a, (list, tuple)) else a
+                 for a in args)
+    return Launch(module, kernel, args, dict(kwargs))
+
+
+def count(launches) -> dict:
+    """{frozen launch: how many times it was launched}."""
+    counts = {}
+    for launch in launches:
+        key = frozen(launch)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def source_digest() -> str:
+    """What gathered launches depend on: the host code and this script's sweep. A change to any
+    of them starts a new gather cache."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("model.py", "speculative.py", "tree.py", "draft.py", "tree_attention.py", "int8_matmul.py",
+                 "quantize.py", "tp.py", "scripts/kernel_fit.py", "scripts/tune_kernels.py"):
+        digest.update((ROOT / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class _Recorder:
@@ -204,9 +244,12 @@ def tune_launches():
                                             torch.empty(N, **meta))
 
 
-def gather(capability: tuple, quick: bool = False, log=None) -> list:
+def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = None) -> dict:
     """Every launch of the sweep (quick: the representative set) as the host code chooses on a
-    GPU of this capability."""
+    GPU of this capability: {frozen launch: count}. With cache_dir, each model group's launches
+    are read from there when an earlier run saved them, and saved when gathered."""
+    import hashlib
+
     if quick:
         shards = [s for s in model_shards(["llama-2-7b", "llama-3-8b", "SmolLM2-135M"]) if s[1] <= 2]
         dtypes, slots, shapes, nodes, rows = (torch.bfloat16, torch.float32), (300, 4096), ((10, 6, 60),), \
@@ -214,6 +257,11 @@ def gather(capability: tuple, quick: bool = False, log=None) -> list:
     else:
         shards, dtypes, slots, shapes, nodes, rows = model_shards(), DTYPES, CACHE_SLOTS, ROUND_SHAPES, VERIFY_NODES, \
             range(2, quantize.CUDA_INT8_KERNEL_ROWS + 1)
+    limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+    if cache_dir is not None:
+        cache_dir = Path(cache_dir) / f"{source_digest()}-{'quick' if quick else 'full'}"
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    total = {}
     with recording(capability) as launches:
         seen = {}  # the launches of a shard depend on its attention and layer shapes only: gathered once
         for i, (name, n, config) in enumerate(shards):
@@ -226,16 +274,33 @@ def gather(capability: tuple, quick: bool = False, log=None) -> list:
                     config, n, d, slots, shapes, nodes, static=not quick, eagle3=not quick)),
                     (("int8",) + layers, lambda d: int8_launches(config, n, d, rows))):
                 if key not in seen:
-                    start = len(launches)
-                    for dtype in dtypes:
-                        gather_one(dtype)
-                    seen[key] = launches[start:]
-                else:
-                    launches.extend(seen[key])
+                    name_hash = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+                    path = cache_dir / f"{limit}-{name_hash}.json" if cache_dir is not None else None
+                    if path is not None and path.is_file():
+                        seen[key] = {thawed_key(r): k for r, k in json.loads(path.read_text())}
+                    else:
+                        launches.clear()
+                        for dtype in dtypes:
+                            gather_one(dtype)
+                        seen[key] = count(launches)
+                        if path is not None:  # written whole, then renamed: a killed run leaves no half file
+                            tmp = path.with_suffix(".tmp")
+                            tmp.write_text(json.dumps([[r, k] for r, k in seen[key].items()]))
+                            tmp.replace(path)
+                for r, k in seen[key].items():
+                    total[r] = total.get(r, 0) + k
             if log:
-                log(f"  {name} TP={n}: {len(launches)} launches so far ({i + 1}/{len(shards)})")
+                log(f"  {name} TP={n}: {sum(total.values())} launches so far ({i + 1}/{len(shards)})")
+        launches.clear()
         tune_launches()
-    return launches
+        for r, k in count(launches).items():
+            total[r] = total.get(r, 0) + k
+    return total
+
+
+def thawed_key(record) -> tuple:
+    """A frozen launch read back from JSON (lists where frozen() made tuples)."""
+    return frozen(thawed(record))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,36 +423,42 @@ def describe(launch: Launch) -> str:
             f"warps {launch.kwargs.get('num_warps', 4)}, stages {launch.kwargs.get('num_stages', 3)}")
 
 
-def check(targets, quick: bool = False, log=print) -> dict:
+def check(targets, quick: bool = False, log=print, cache_dir: Path = None) -> dict:
     """Gather and compile for each target (quick: the representative set, one class per
     config_key); returns the report that markdown() writes out."""
     compiler = Compiler()
     report = dict(targets={}, classes=[])
     classes = {}  # (target, class key) -> result row
+    by_limit = {}  # targets with the same shared-memory limit get the same launches
     for name in targets:
         capability, t0 = TARGETS[name], time.perf_counter()
         limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
-        launches = gather(capability, quick, log=None if quick else log)
-        groups = {}
-        for launch in launches:
+        if limit not in by_limit:
+            by_limit[limit] = gather(capability, quick, log=None if quick else log, cache_dir=cache_dir)
+        counts = by_limit[limit]
+        groups = {}  # class key -> [(launch, count), ...]
+        for record, k in counts.items():
+            launch = thawed(record)
             key = config_key(launch) if quick else compiler.class_key(launch, capability)
-            groups.setdefault(key, []).append(launch)
-        log(f"{name}: {len(launches)} launches in {len(groups)} classes (gathered in {time.perf_counter() - t0:.0f} s)")
-        totals = dict(capability=".".join(map(str, capability)), limit=limit, launches=len(launches),
+            groups.setdefault(key, []).append((launch, k))
+        n_launches = sum(counts.values())
+        log(f"{name}: {n_launches} launches in {len(groups)} classes (gathered in {time.perf_counter() - t0:.0f} s)")
+        totals = dict(capability=".".join(map(str, capability)), limit=limit, launches=n_launches,
                       classes=len(groups), failed=0, over_limit=0, over_bound=0, spilling=0, launches_failed=0,
                       launches_over_limit=0)
         for i, (key, members) in enumerate(groups.items()):
-            result = compiler.compile(members[0], capability)
-            bound = host_bound(members[0])
-            row = dict(target=name, kernel=members[0].kernel, launch=describe(members[0]), launches=len(members),
+            first, n_members = members[0][0], sum(k for _, k in members)
+            result = compiler.compile(first, capability)
+            bound = host_bound(first)
+            row = dict(target=name, kernel=first.kernel, launch=describe(first), launches=n_members,
                        limit=limit, bound=bound, key=key, **result)
             if "error" in row:
                 totals["failed"] += 1
-                totals["launches_failed"] += len(members)
+                totals["launches_failed"] += n_members
             else:
                 row["fits"] = row["shared"] <= limit
                 totals["over_limit"] += not row["fits"]
-                totals["launches_over_limit"] += 0 if row["fits"] else len(members)
+                totals["launches_over_limit"] += 0 if row["fits"] else n_members
                 totals["over_bound"] += bound is not None and row["shared"] > bound
                 totals["spilling"] += row["spill_stores"] > 0
             classes[name, key] = row
@@ -435,6 +506,10 @@ def main(argv=None):
     p.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=None,
                    help=f"default: all ({', '.join(TARGETS)}); --quick: {', '.join(QUICK_TARGETS)}")
     p.add_argument("--quick", action="store_true", help="the representative set of tests/test_kernel_fit.py")
+    p.add_argument("--cache_dir", type=Path, default=Path.home() / ".cache" / "eagle-gpt-fast" / "kernel_fit",
+                   help="where gathered launches are kept, per model group and limit, so that a stopped sweep "
+                        "resumes (default: %(default)s)")
+    p.add_argument("--no_cache", action="store_true", help="gather everything again, keep nothing")
     args = p.parse_args(argv)
     why = unavailable()
     if why:
@@ -442,7 +517,8 @@ def main(argv=None):
     import triton
 
     targets = args.targets or (QUICK_TARGETS if args.quick else tuple(TARGETS))
-    report = check(targets, args.quick, log=lambda s: print(s, file=sys.stderr, flush=True))
+    report = check(targets, args.quick, log=lambda s: print(s, file=sys.stderr, flush=True),
+                   cache_dir=None if args.no_cache else args.cache_dir)
     report.update(date=time.strftime("%Y-%m-%d", time.gmtime()), torch=torch.__version__, triton=triton.__version__,
                   command="python scripts/kernel_fit.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   sweep="quick (tests/test_kernel_fit.py)" if args.quick else (

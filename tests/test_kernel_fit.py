@@ -93,3 +93,17 @@ def test_the_check_catches_a_launch_over_the_limit():
     limits = kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK
     assert limits[8, 6] < got["sm86"] <= got["bound"]
     assert got["sm80"] <= limits[8, 0]
+
+
+def test_a_stopped_sweep_resumes_from_its_gather_cache(tmp_path):
+    """The launches gathered per model group are saved under cache_dir; a second gather reads them
+    back and counts the same launches as one without a cache (the representative set, sm_86)."""
+    uncached = kernel_fit.gather((8, 6), quick=True)
+    first = kernel_fit.gather((8, 6), quick=True, cache_dir=tmp_path)
+    files = sorted(tmp_path.rglob("*.json"))
+    assert len(files) >= 6 and not list(tmp_path.rglob("*.tmp"))  # tree and int8 groups of 3 models
+    second = kernel_fit.gather((8, 6), quick=True, cache_dir=tmp_path)
+    assert first == second == uncached and sum(uncached.values()) > 500
+    # a launch survives JSON: the compiler sees the same tensor dtypes and integers
+    record = next(r for r in uncached if r[1] == "_tree_attention_kernel")
+    assert kernel_fit.frozen(kernel_fit.thawed(json.loads(json.dumps(record)))) == record
