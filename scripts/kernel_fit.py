@@ -15,7 +15,8 @@ being checked (tree_attention.SHARED_MEMORY_PER_BLOCK), as it would read it from
 
 Identical launches are counted, not kept; what a model group's host code launches depends on
 the shared-memory limit only (sm_86 and sm_89 share theirs), so it is gathered once per limit and
-saved under --cache_dir, keyed by the host code's source: a stopped sweep resumes where it stopped.
+saved under --cache_dir, keyed by the source of the code that ran (GATHER_SOURCES): a stopped sweep
+resumes where it stopped.
 
 The launches fall into resource classes: Triton's own specialization key (argument types, the
 integers it specializes on, constants, warps, stages), what one compiled binary serves. Each class
@@ -98,15 +99,25 @@ def count(launches) -> dict:
     return counts
 
 
-def source_digest() -> str:
-    """What gathered launches depend on: the host code and this script's sweep. A change to any
-    of them starts a new gather cache."""
+# What each kind of gathered launch depends on: the host code that runs, down to the kernel's
+# launcher. A change to one of these files (or to how this script gathers) starts a new cache for
+# that kind; int8 layers are cheap to gather again, a model's trees are not.
+GATHER_SOURCES = {"tree": ("model.py", "speculative.py", "tree.py", "draft.py", "tree_attention.py", "tp.py"),
+                  "int8": ("model.py", "draft.py", "quantize.py", "int8_matmul.py", "tp.py")}
+
+
+def source_digest(kind: str) -> str:
+    """A digest of GATHER_SOURCES[kind] and of the functions and settings of this script that
+    gather that kind."""
     import hashlib
+    import inspect
 
     digest = hashlib.sha256()
-    for name in ("model.py", "speculative.py", "tree.py", "draft.py", "tree_attention.py", "int8_matmul.py",
-                 "quantize.py", "tp.py", "scripts/kernel_fit.py", "scripts/tune_kernels.py"):
+    for name in GATHER_SOURCES[kind]:
         digest.update((ROOT / name).read_bytes())
+    for fn in (meta_models, _chain, tree_launches) if kind == "tree" else (meta_models, int8_launches):
+        digest.update(inspect.getsource(fn).encode())
+    digest.update(repr((LAYERS, DTYPES, CACHE_SLOTS, ROUND_SHAPES, VERIFY_NODES)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -259,8 +270,9 @@ def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = N
             range(2, quantize.CUDA_INT8_KERNEL_ROWS + 1)
     limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
     if cache_dir is not None:
-        cache_dir = Path(cache_dir) / f"{source_digest()}-{'quick' if quick else 'full'}"
+        cache_dir = Path(cache_dir) / ("quick" if quick else "full")
         cache_dir.mkdir(parents=True, exist_ok=True)
+        digests = {kind: source_digest(kind) for kind in GATHER_SOURCES}
     total = {}
     with recording(capability) as launches:
         seen = {}  # the launches of a shard depend on its attention and layer shapes only: gathered once
@@ -275,7 +287,8 @@ def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = N
                     (("int8",) + layers, lambda d: int8_launches(config, n, d, rows))):
                 if key not in seen:
                     name_hash = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-                    path = cache_dir / f"{limit}-{name_hash}.json" if cache_dir is not None else None
+                    path = None if cache_dir is None else \
+                        cache_dir / f"{key[0]}-{digests[key[0]]}-{limit}-{name_hash}.json"
                     if path is not None and path.is_file():
                         seen[key] = {thawed_key(r): k for r, k in json.loads(path.read_text())}
                     else:
