@@ -27,7 +27,7 @@ import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
 from model import EAGER_INVARIANT_ROWS, INVARIANT_WINDOW, Transformer, pack_linears, set_attention_backend
-from quantize import mode_from_path
+from quantize import set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
                          machine_key, missing_cpu_compile_settings, speculative_generate)
@@ -270,11 +270,10 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile or args.batch_invariant else "float32"
-    if args.batch_invariant and (args.device != "cpu" or args.dtype != "bfloat16" or tp.launched_by_torchrun()
-                                 or mode_from_path(args.checkpoint_path)[0] is not None):
-        p.error("--batch_invariant is built and checked for float bfloat16 checkpoints on a CPU in one process (its "
-                f"GEMMs are row-count invariant there), not --device {args.device}, --dtype {args.dtype}, "
-                f"{args.checkpoint_path.name}{', tensor parallel' if tp.launched_by_torchrun() else ''}")
+    if args.batch_invariant and (args.device != "cpu" or args.dtype != "bfloat16" or tp.launched_by_torchrun()):
+        p.error("--batch_invariant is built and checked for bfloat16 (and int8/int4) checkpoints on a CPU in one "
+                f"process (its GEMMs are row-count invariant there), not --device {args.device}, --dtype {args.dtype}"
+                f"{', tensor parallel' if tp.launched_by_torchrun() else ''}")
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
@@ -422,6 +421,7 @@ def main(argv=None):
         model = load_model(args.checkpoint_path, device, dtype, shard)
         if args.batch_invariant:
             model.invariant_window = INVARIANT_WINDOW
+            set_row_invariant(model)  # int8 layers: one kernel for every row count
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

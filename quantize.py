@@ -90,6 +90,7 @@ class WeightOnlyInt8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.row_invariant = False  # set_row_invariant: the CPU kernel for any number of rows
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "WeightOnlyInt8Linear":
@@ -103,10 +104,12 @@ class WeightOnlyInt8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         scales = self.scales.to(x.dtype)
         rows = x.numel() // self.in_features
-        if x.is_cpu and x.dtype != torch.float32 and rows <= CPU_INT8_KERNEL_ROWS:
+        if x.is_cpu and x.dtype != torch.float32 and (rows <= CPU_INT8_KERNEL_ROWS or self.row_invariant):
             # torch's CPU kernel for int8 weights reads them as they are: measured 2-5x faster than
             # casting the weight for a few rows (a decode step, a draft level), slower for many rows
-            # (tree verification) and in float32.
+            # (tree verification) and in float32. Its rows do not depend on how many there are
+            # (1-128 measured, bf16), so batch-invariant mode takes it for every row count: the
+            # switch to the cast would round a verify's rows apart from the one-token step's.
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif x.is_cuda and int8_matmul is not None and 1 < rows <= CUDA_INT8_KERNEL_ROWS:
@@ -148,6 +151,17 @@ class WeightOnlyInt8Experts(nn.Module):
     def dense(self, x: Tensor) -> Tensor:
         """x [E, N, in] -> [E, N, out]."""
         return torch.einsum("eni,eoi->eno", x, self.weight.to(x.dtype)) * self.scales[:, None].to(x.dtype)
+
+
+def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
+    """For batch-invariant mode (model.Transformer.invariant_window): quantized layers compute
+    each row the same way however many rows come together. On a CPU in bf16, int8 layers then use
+    torch's int8 kernel for any number of rows (WeightOnlyInt8Linear.forward); int4 layers already
+    use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows)."""
+    for m in model.modules():
+        if isinstance(m, WeightOnlyInt8Linear):
+            m.row_invariant = on
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
 from model import INVARIANT_WINDOW, ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
-from quantize import pack_int4, quantize_model  # noqa: E402
+from quantize import pack_int4, quantize_model, set_row_invariant  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
@@ -518,6 +518,7 @@ def run_mt_bench(args, argv=None) -> dict:
     model = load_model(args.checkpoint_path, device, dtype, args.shard)
     if args.batch_invariant:
         model.invariant_window = INVARIANT_WINDOW
+        set_row_invariant(model)  # int8 layers: one kernel for every row count
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}

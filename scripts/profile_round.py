@@ -29,6 +29,7 @@ import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from model import INVARIANT_WINDOW, pack_linears  # noqa: E402
+from quantize import set_row_invariant  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -230,6 +231,7 @@ def main(argv=None):
     model = load_model(args.checkpoint_path, "cpu", dtype)
     if args.batch_invariant:
         model.invariant_window = INVARIANT_WINDOW
+        set_row_invariant(model)  # int8 layers: one kernel for every row count
     draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
     if not args.compile:  # as generate.make_decoder runs eager mode: half-precision weights prepacked for oneDNN

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import checkpoint
 import generate as gen
+import quantize
 import sampling
 from convert_hf_checkpoint import convert_hf
 from conftest import ROOT
@@ -167,7 +168,7 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
 
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
-    without the bf16 near-tie caveat; float32, CUDA, quantized files and eager trees larger than
+    without the bf16 near-tie caveat; float32, CUDA and eager trees larger than
     EAGER_INVARIANT_ROWS are refused with one line."""
     checkpoint, _ = tiny_checkpoint
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
@@ -176,10 +177,26 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
     err = capsys.readouterr().err
     assert report["dtype"] == "bfloat16" and report["identical"]
     assert "batch-invariant" in err and "the two answers are identical" in err and "nearly tie" not in err
-    for bad in (["--dtype", "float32"], ["--checkpoint_path", str(checkpoint.parent / "model_int8.pth")]):
+    for bad in (["--dtype", "float32"], ["--dtype", "float16"]):
         with pytest.raises(SystemExit):
             gen.parse_args(["--device", "cpu", "--batch_invariant", *bad])
-        assert "--batch_invariant is built and checked for float bfloat16 checkpoints on a CPU" in capsys.readouterr().err
+        assert "--batch_invariant is built and checked for bfloat16 (and int8/int4) checkpoints on a CPU" \
+            in capsys.readouterr().err
     with pytest.raises(SystemExit, match="holds for trees of up to 32 nodes"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint, capsys, mode):
+    """int8 and int4 files in batch-invariant mode (eager, bf16): trees of 32 nodes (28 + 4 lookup), where a plain
+    int8 layer would switch from torch's int8 kernel (up to 16 rows) to a cast weight, give the
+    same answer as plain decoding."""
+    checkpoint, _ = tiny_checkpoint
+    quantized = quantize.quantize_checkpoint(checkpoint, mode)
+    report = gen.main(["--checkpoint_path", str(quantized), "--chat", "--prompt", "Rivers flow to the sea.",
+                       "--speculate", "eagle2", "--tree_tokens", "28", "--lookup", "4", "--compare",
+                       "--max_new_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
+    err = capsys.readouterr().err
+    assert report["dtype"] == "bfloat16" and report["identical"] and report["speculative"]["mean_accepted"] > 1
+    assert "batch-invariant" in err and "the two answers are identical" in err

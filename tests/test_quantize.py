@@ -133,6 +133,27 @@ def test_int4_linear_matches_dequantized_matmul(in_features, out_features, group
         F.linear(x, deq, lin.bias), 1e-6)
 
 
+@torch.no_grad()
+def test_cpu_rows_do_not_depend_on_the_row_count_in_batch_invariant_mode():
+    """bf16 on a CPU, SmolLM2's layer shapes: each row of a 1-64-row matmul equals that row alone,
+    for int4 layers always, for int8 layers with set_row_invariant (without it, beyond
+    CPU_INT8_KERNEL_ROWS rows the layer casts the weight and rounds differently)."""
+    torch.manual_seed(0)
+    for K, N in ((576, 1536), (1536, 576)):
+        linear = nn.Linear(K, N, bias=False).to(torch.bfloat16)
+        int8 = quantize.set_row_invariant(WeightOnlyInt8Linear.from_linear(linear))
+        int4 = WeightOnlyInt4Linear.from_linear(linear, 32)
+        int4.pack()
+        x = torch.randn(64, K).to(torch.bfloat16)
+        for layer in (int8, int4):
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
+            assert all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, 65)), type(layer).__name__
+        quantize.set_row_invariant(int8, False)
+        alone = torch.cat([int8(x[i:i + 1]) for i in range(64)])
+        rows = quantize.CPU_INT8_KERNEL_ROWS
+        assert torch.equal(int8(x[:rows]), alone[:rows]) and not torch.equal(int8(x[:rows + 1]), alone[:rows + 1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
 def test_quantized_linears_on_cuda():
