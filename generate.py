@@ -27,7 +27,7 @@ import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
 from model import EAGER_INVARIANT_ROWS, INVARIANT_WINDOW, Transformer, pack_linears, set_attention_backend
-from quantize import set_row_invariant
+from quantize import mode_from_path, set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
                          machine_key, missing_cpu_compile_settings, speculative_generate)
@@ -274,6 +274,10 @@ def parse_args(argv=None):
         p.error("--batch_invariant is built and checked for bfloat16 (and int8/int4) checkpoints on a CPU in one "
                 f"process (its GEMMs are row-count invariant there), not --device {args.device}, --dtype {args.dtype}"
                 f"{', tensor parallel' if tp.launched_by_torchrun() else ''}")
+    if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
+        p.error(f"--batch_invariant with a quantized file ({args.checkpoint_path.name}) holds eager only: pass "
+                "--no-compile (compiled, Inductor's int8/int4 matmuls round a verify's rows apart from a one-token "
+                "step's: measured)")
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):

@@ -29,7 +29,7 @@ import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from model import INVARIANT_WINDOW, pack_linears  # noqa: E402
-from quantize import set_row_invariant  # noqa: E402
+from quantize import mode_from_path, set_row_invariant  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -63,6 +63,8 @@ def parse_args(argv=None):
     args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / gen.SPECULATE[
         args.speculate]["folder"]
     args.tree_depth = args.tree_depth or gen.SPECULATE[args.speculate]["depth"]
+    if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
+        p.error("--batch_invariant with a quantized file holds eager only (as generate.py's): drop --compile")
     return args
 
 

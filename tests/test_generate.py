@@ -191,7 +191,8 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
 def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint, capsys, mode):
     """int8 and int4 files in batch-invariant mode (eager, bf16): trees of 32 nodes (28 + 4 lookup), where a plain
     int8 layer would switch from torch's int8 kernel (up to 16 rows) to a cast weight, give the
-    same answer as plain decoding."""
+    same answer as plain decoding. Compiled they are refused (Inductor's quantized matmuls are not
+    row-count invariant)."""
     checkpoint, _ = tiny_checkpoint
     quantized = quantize.quantize_checkpoint(checkpoint, mode)
     report = gen.main(["--checkpoint_path", str(quantized), "--chat", "--prompt", "Rivers flow to the sea.",
@@ -200,3 +201,6 @@ def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint
     err = capsys.readouterr().err
     assert report["dtype"] == "bfloat16" and report["identical"] and report["speculative"]["mean_accepted"] > 1
     assert "batch-invariant" in err and "the two answers are identical" in err
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--checkpoint_path", str(quantized), "--device", "cpu", "--batch_invariant", "--compile"])
+    assert "holds eager only: pass --no-compile" in capsys.readouterr().err
