@@ -146,6 +146,21 @@ def _tree_tokens_arg(value: str):
         raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {value!r}") from None
 
 
+# --batch_invariant with an int8/int4 file: eager only (measured: compiled, the rows differ).
+QUANTIZED_INVARIANT_EAGER_ONLY = ("--batch_invariant with a quantized file ({name}) holds eager only: {advice} "
+                                  "(compiled, Inductor's int8/int4 matmuls round a verify's rows apart from a "
+                                  "one-token step's: measured)")
+
+
+def set_batch_invariant(model: Transformer) -> Transformer:
+    """--batch_invariant: the target's attention over a layout fixed by each query's position
+    (model.invariant_attention), and its int8 layers on one kernel for every row count
+    (quantize.set_row_invariant)."""
+    model.invariant_window = INVARIANT_WINDOW
+    set_row_invariant(model)
+    return model
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct/model.pth"))
@@ -275,9 +290,7 @@ def parse_args(argv=None):
                 f"process (its GEMMs are row-count invariant there), not --device {args.device}, --dtype {args.dtype}"
                 f"{', tensor parallel' if tp.launched_by_torchrun() else ''}")
     if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
-        p.error(f"--batch_invariant with a quantized file ({args.checkpoint_path.name}) holds eager only: pass "
-                "--no-compile (compiled, Inductor's int8/int4 matmuls round a verify's rows apart from a one-token "
-                "step's: measured)")
+        p.error(QUANTIZED_INVARIANT_EAGER_ONLY.format(name=args.checkpoint_path.name, advice="pass --no-compile"))
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
@@ -424,8 +437,7 @@ def main(argv=None):
         args.attention = set_attention_backend(args.attention, device)
         model = load_model(args.checkpoint_path, device, dtype, shard)
         if args.batch_invariant:
-            model.invariant_window = INVARIANT_WINDOW
-            set_row_invariant(model)  # int8 layers: one kernel for every row count
+            set_batch_invariant(model)
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

@@ -72,8 +72,8 @@ import speculative  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
-from model import INVARIANT_WINDOW, ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
-from quantize import mode_from_path, pack_int4, quantize_model, set_row_invariant  # noqa: E402
+from model import ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
+from quantize import mode_from_path, pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
@@ -236,7 +236,7 @@ def parse_args(argv=None):
     if args.batch_invariant and (args.random_weights or args.device != "cpu" or args.dtype != "bfloat16"):
         p.error("--batch_invariant is built for MT-bench runs in bfloat16 on a CPU (as generate.py's)")
     if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
-        p.error("--batch_invariant with a quantized file holds eager only (as generate.py's): drop --compile")
+        p.error(gen.QUANTIZED_INVARIANT_EAGER_ONLY.format(name=args.checkpoint_path.name, advice="drop --compile"))
     if args.out is None:
         name = f"random-{args.model_name}" if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
         args.out = ROOT / "benchmarks" / name
@@ -519,8 +519,7 @@ def run_mt_bench(args, argv=None) -> dict:
     args.attention = set_attention_backend(args.attention, device)
     model = load_model(args.checkpoint_path, device, dtype, args.shard)
     if args.batch_invariant:
-        model.invariant_window = INVARIANT_WINDOW
-        set_row_invariant(model)  # int8 layers: one kernel for every row count
+        gen.set_batch_invariant(model)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}

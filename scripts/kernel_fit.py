@@ -28,7 +28,9 @@ host code chooses by (shared_bytes of each kernel module) is checked to hold as 
 """
 import argparse
 import contextlib
+import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -109,9 +111,6 @@ GATHER_SOURCES = {"tree": ("model.py", "speculative.py", "tree.py", "draft.py", 
 def source_digest(kind: str) -> str:
     """A digest of GATHER_SOURCES[kind] and of the functions and settings of this script that
     gather that kind."""
-    import hashlib
-    import inspect
-
     digest = hashlib.sha256()
     for name in GATHER_SOURCES[kind]:
         digest.update((ROOT / name).read_bytes())
@@ -259,8 +258,6 @@ def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = N
     """Every launch of the sweep (quick: the representative set) as the host code chooses on a
     GPU of this capability: {frozen launch: count}. With cache_dir, each model group's launches
     are read from there when an earlier run saved them, and saved when gathered."""
-    import hashlib
-
     if quick:
         shards = [s for s in model_shards(["llama-2-7b", "llama-3-8b", "SmolLM2-135M"]) if s[1] <= 2]
         dtypes, slots, shapes, nodes, rows = (torch.bfloat16, torch.float32), (300, 4096), ((10, 6, 60),), \

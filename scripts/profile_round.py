@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
-from model import INVARIANT_WINDOW, pack_linears  # noqa: E402
-from quantize import mode_from_path, set_row_invariant  # noqa: E402
+from model import pack_linears  # noqa: E402
+from quantize import mode_from_path  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -64,7 +64,7 @@ def parse_args(argv=None):
         args.speculate]["folder"]
     args.tree_depth = args.tree_depth or gen.SPECULATE[args.speculate]["depth"]
     if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
-        p.error("--batch_invariant with a quantized file holds eager only (as generate.py's): drop --compile")
+        p.error(gen.QUANTIZED_INVARIANT_EAGER_ONLY.format(name=args.checkpoint_path.name, advice="drop --compile"))
     return args
 
 
@@ -232,8 +232,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint_path, "cpu", dtype)
     if args.batch_invariant:
-        model.invariant_window = INVARIANT_WINDOW
-        set_row_invariant(model)  # int8 layers: one kernel for every row count
+        gen.set_batch_invariant(model)
     draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
     if not args.compile:  # as generate.make_decoder runs eager mode: half-precision weights prepacked for oneDNN
