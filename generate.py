@@ -146,10 +146,24 @@ def _tree_tokens_arg(value: str):
         raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {value!r}") from None
 
 
-# --batch_invariant with an int8/int4 file: eager only (measured: compiled, the rows differ).
-QUANTIZED_INVARIANT_EAGER_ONLY = ("--batch_invariant with a quantized file ({name}) holds eager only: {advice} "
-                                  "(compiled, Inductor's int8/int4 matmuls round a verify's rows apart from a "
-                                  "one-token step's: measured)")
+def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_path) -> Optional[str]:
+    """Why --batch_invariant does not hold for this run, in one line, or None where it does. What
+    was measured to hold (the target's rows of a verify equal one-token steps', bit for bit, on this
+    project's 2-core AMX CPU, torch 2.13: tests/test_model.py, tests/test_quantize.py):
+        compiled  bfloat16, float16, float32 (the C++ GEMM templates), int8/int4 files in bfloat16
+        eager     bfloat16 (oneDNN) and int8/int4 files in bfloat16 (torch's int8/int4 CPU kernels);
+                  eager float32 (MKL) and float16 round a verify's rows differently from 8 rows on
+    CUDA and tensor parallelism are not built."""
+    if device != "cpu" or tp.launched_by_torchrun():
+        return (f"--batch_invariant is built for a CPU in one process, not --device {device}"
+                f"{' under torchrun' if tp.launched_by_torchrun() else ''}")
+    quantized = mode_from_path(checkpoint_path)[0]
+    if quantized is not None and dtype != "bfloat16":
+        return f"--batch_invariant with a quantized file ({Path(checkpoint_path).name}) is built for bfloat16, not {dtype}"
+    if not compile and dtype != "bfloat16":
+        return (f"--batch_invariant in {dtype} needs --compile (eager {dtype} GEMMs round a verify's rows apart "
+                f"from a one-token step's: measured); eager, use --dtype bfloat16")
+    return None
 
 
 def set_batch_invariant(model: Transformer) -> Transformer:
@@ -222,7 +236,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_invariant", action="store_true",
                    help="compute every token's logits bit for bit the same in a one-token step and in a verify "
                         "of many (model.invariant_attention): greedy speculative output then equals plain "
-                        "decoding's in bfloat16 too (CPU, bfloat16)")
+                        "decoding's in bfloat16 and float16 too (CPU: bfloat16, or float16/float32 with --compile)")
     p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
                    help="tensor parallelism (under torchrun): seconds a rank waits for the others, to join and "
                         "at each collective, before it gives up with an error")
@@ -285,12 +299,10 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile or args.batch_invariant else "float32"
-    if args.batch_invariant and (args.device != "cpu" or args.dtype != "bfloat16" or tp.launched_by_torchrun()):
-        p.error("--batch_invariant is built and checked for bfloat16 (and int8/int4) checkpoints on a CPU in one "
-                f"process (its GEMMs are row-count invariant there), not --device {args.device}, --dtype {args.dtype}"
-                f"{', tensor parallel' if tp.launched_by_torchrun() else ''}")
-    if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
-        p.error(QUANTIZED_INVARIANT_EAGER_ONLY.format(name=args.checkpoint_path.name, advice="pass --no-compile"))
+    if args.batch_invariant:
+        problem = batch_invariant_problem(args.device, args.dtype, args.compile, args.checkpoint_path)
+        if problem:
+            p.error(problem)
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):

@@ -81,6 +81,39 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
     return q.float() * scales[..., None].float()
 
 
+# ---------------------------------------------------------------------------------------------
+# Batch-invariant mode compiled on a CPU: torch's int8 and int4 CPU kernels as opaque ops
+# ---------------------------------------------------------------------------------------------
+# torch's CPU kernels for int8 and int4 weights give each row the same bits for any number of
+# rows (1-128 measured, bf16). Inductor does not call them: it lowers both ops to code of its own
+# (max-autotune's weight-only-quantized GEMM template, a dequantize and a GEMM), whose rows came
+# out differently for a verify of 8-64 rows than for one-token steps (measured, SmolLM2 shapes,
+# torch 2.13). Wrapped as custom ops, they stay calls of the kernel in the compiled graph, so
+# compiled batch-invariant mode keeps the eager kernel's invariance (quantized layers use them
+# only there: set_row_invariant, while compiling).
+@torch.library.custom_op("eagle_gpt_fast::int8_rows", mutates_args=())
+def int8_rows(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """aten._weight_int8pack_mm(x [M, K], weight int8 [N, K], scales [N]) -> [M, N], opaque to Inductor."""
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+
+
+@int8_rows.register_fake
+def _(x, weight, scales):
+    return x.new_empty(x.size(0), weight.size(0))
+
+
+@torch.library.custom_op("eagle_gpt_fast::int4_rows_cpu", mutates_args=())
+def int4_rows_cpu(x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
+    """aten._weight_int4pack_mm_for_cpu(x [M, K], packed weight, groupsize, scales_and_zeros
+    [K / groupsize, N, 2]) -> [M, N], opaque to Inductor."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, groupsize, scales_and_zeros)
+
+
+@int4_rows_cpu.register_fake
+def _(x, weight, groupsize, scales_and_zeros):
+    return x.new_empty(x.size(0), scales_and_zeros.size(1))
+
+
 class WeightOnlyInt8Linear(nn.Module):
     """y = (x @ q^T) * scales + bias. The weight is read as int8, a quarter of float32's bytes."""
 
@@ -110,7 +143,10 @@ class WeightOnlyInt8Linear(nn.Module):
             # (tree verification) and in float32. Its rows do not depend on how many there are
             # (1-128 measured, bf16), so batch-invariant mode takes it for every row count: the
             # switch to the cast would round a verify's rows apart from the one-token step's.
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)
+            # (Compiled in the mode, as an opaque op: see int8_rows.)
+            matmul = int8_rows if self.row_invariant and torch.compiler.is_compiling() else \
+                torch.ops.aten._weight_int8pack_mm
+            y = matmul(x.reshape(-1, self.in_features), self.weight, scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif x.is_cuda and int8_matmul is not None and 1 < rows <= CUDA_INT8_KERNEL_ROWS:
             # several rows on CUDA: cuBLAS would need the weight cast to x.dtype first, every call
@@ -157,9 +193,11 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
     """For batch-invariant mode (model.Transformer.invariant_window): quantized layers compute
     each row the same way however many rows come together. On a CPU in bf16, int8 layers then use
     torch's int8 kernel for any number of rows (WeightOnlyInt8Linear.forward); int4 layers already
-    use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows)."""
+    use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows).
+    Compiled, both call the kernel as an opaque op (int8_rows, int4_rows_cpu) instead of letting
+    Inductor lower it."""
     for m in model.modules():
-        if isinstance(m, WeightOnlyInt8Linear):
+        if isinstance(m, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
             m.row_invariant = on
     return model
 
@@ -284,6 +322,7 @@ class WeightOnlyInt4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed_for: Optional[str] = None  # the device type weight is packed for, None: portable nibbles
         self._matmul = None
+        self.row_invariant = False  # set_row_invariant: compiled on a CPU, the kernel as an opaque op
 
     @property
     def padded(self) -> bool:
@@ -329,7 +368,10 @@ class WeightOnlyInt4Linear(nn.Module):
             w = dequantize_int4_as(self.nibbles, self.scales_and_zeros, self.groupsize, x2.dtype)
             y = F.linear(x2, w)[:, :self.out_features]
         else:
-            y = self._matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
+            matmul = self._matmul
+            if self.row_invariant and x.is_cpu and torch.compiler.is_compiling():
+                matmul = int4_rows_cpu  # the kernel itself, not Inductor's lowering of it (int8_rows)
+            y = matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
         y = y.to(x.dtype).reshape(*shape, self.out_features)
         return y if self.bias is None else y + self.bias
 

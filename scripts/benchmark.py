@@ -73,7 +73,7 @@ import tp  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
 from model import ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
-from quantize import mode_from_path, pack_int4, quantize_model  # noqa: E402
+from quantize import pack_int4, quantize_model  # noqa: E402
 from tree import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
@@ -233,10 +233,12 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.batch_invariant else "float32"
-    if args.batch_invariant and (args.random_weights or args.device != "cpu" or args.dtype != "bfloat16"):
-        p.error("--batch_invariant is built for MT-bench runs in bfloat16 on a CPU (as generate.py's)")
-    if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
-        p.error(gen.QUANTIZED_INVARIANT_EAGER_ONLY.format(name=args.checkpoint_path.name, advice="drop --compile"))
+    if args.batch_invariant and args.random_weights:
+        p.error("--batch_invariant is for MT-bench runs (a trained target and head), not --random_weights")
+    if args.batch_invariant:
+        problem = gen.batch_invariant_problem(args.device, args.dtype, args.compile, args.checkpoint_path)
+        if problem:
+            p.error(problem)
     if args.out is None:
         name = f"random-{args.model_name}" if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
         args.out = ROOT / "benchmarks" / name

@@ -29,7 +29,6 @@ import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from model import pack_linears  # noqa: E402
-from quantize import mode_from_path  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -63,8 +62,10 @@ def parse_args(argv=None):
     args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / gen.SPECULATE[
         args.speculate]["folder"]
     args.tree_depth = args.tree_depth or gen.SPECULATE[args.speculate]["depth"]
-    if args.batch_invariant and args.compile and mode_from_path(args.checkpoint_path)[0] is not None:
-        p.error(gen.QUANTIZED_INVARIANT_EAGER_ONLY.format(name=args.checkpoint_path.name, advice="drop --compile"))
+    if args.batch_invariant:
+        problem = gen.batch_invariant_problem("cpu", args.dtype, args.compile, args.checkpoint_path)
+        if problem:
+            p.error(problem)
     return args
 
 

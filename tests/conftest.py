@@ -250,6 +250,33 @@ def tiny_target(name: str = "tiny-llama", seed: int = 0, **overrides):
     return model
 
 
+def invariant_cases(model, dtype, P, T, region):
+    """The logits of T chain tokens after a P-token prefix: decoded one by one, and verified as
+    trees of `region` nodes whose chain nodes sit in order, spread out between decoys, and in
+    reverse order (node numbering must not matter). For batch-invariant mode's tests
+    (tests/test_model.py, tests/test_quantize.py)."""
+    from model import TreeMask
+
+    S, V = model.max_seq_length, model.config.vocab_size
+    ids = torch.randint(0, V, (1, P + T), generator=torch.Generator().manual_seed(1))
+    model(ids[:, :P], torch.arange(P))
+    steps = torch.cat([model(ids[:, P + i:P + i + 1], torch.tensor([P + i])) for i in range(T)], 1)
+    cases = {}
+    step = region // T
+    orders = {"tree in order": list(range(T)), "tree spread": [i * step + step - 1 for i in range(T)],
+              "tree reversed": [region - 1 - i for i in range(T)]}
+    for name, order in orders.items():
+        tokens = torch.randint(0, V, (1, region), generator=torch.Generator().manual_seed(2))
+        depth = torch.zeros(1, region, dtype=torch.long)
+        visible = torch.eye(region, dtype=torch.bool)[None].clone()
+        for i, node in enumerate(order):
+            tokens[0, node], depth[0, node] = ids[0, P + i], i
+            visible[0, node, order[:i + 1]] = True
+        logits = model(tokens, P + depth, S - region + torch.arange(region), TreeMask(torch.tensor([P]), visible))
+        cases[name] = logits[:, order]
+    return steps, cases
+
+
 def save_checkpoint(model, folder):
     """model.pth and model_config.json as convert_hf_checkpoint.py writes them (a tied head is not stored)."""
     folder.mkdir(parents=True, exist_ok=True)

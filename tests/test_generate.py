@@ -168,8 +168,8 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
 
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
-    without the bf16 near-tie caveat; float32, CUDA and eager trees larger than
-    EAGER_INVARIANT_ROWS are refused with one line."""
+    without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
+    trees larger than EAGER_INVARIANT_ROWS are refused with one line."""
     checkpoint, _ = tiny_checkpoint
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
                        "--speculate", "eagle2", "--tree_tokens", "16", "--lookup", "4", "--compare",
@@ -177,11 +177,13 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
     err = capsys.readouterr().err
     assert report["dtype"] == "bfloat16" and report["identical"]
     assert "batch-invariant" in err and "the two answers are identical" in err and "nearly tie" not in err
-    for bad in (["--dtype", "float32"], ["--dtype", "float16"]):
+    for bad, message in ((["--dtype", "float32", "--no-compile"], "--batch_invariant in float32 needs --compile"),
+                         (["--dtype", "float16", "--no-compile"], "--batch_invariant in float16 needs --compile")):
         with pytest.raises(SystemExit):
             gen.parse_args(["--device", "cpu", "--batch_invariant", *bad])
-        assert "--batch_invariant is built and checked for bfloat16 (and int8/int4) checkpoints on a CPU" \
-            in capsys.readouterr().err
+        assert message in capsys.readouterr().err
+    for dtype in ("float32", "float16", "bfloat16"):  # compiled, every dtype holds (tests/test_model.py)
+        assert gen.parse_args(["--device", "cpu", "--batch_invariant", "--compile", "--dtype", dtype]).batch_invariant
     with pytest.raises(SystemExit, match="holds for trees of up to 32 nodes"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
@@ -191,8 +193,8 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
 def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint, capsys, mode):
     """int8 and int4 files in batch-invariant mode (eager, bf16): trees of 32 nodes (28 + 4 lookup), where a plain
     int8 layer would switch from torch's int8 kernel (up to 16 rows) to a cast weight, give the
-    same answer as plain decoding. Compiled they are refused (Inductor's quantized matmuls are not
-    row-count invariant)."""
+    same answer as plain decoding. Compiled, they hold too (tests/test_quantize.py); in another
+    dtype than bfloat16 they are refused."""
     checkpoint, _ = tiny_checkpoint
     quantized = quantize.quantize_checkpoint(checkpoint, mode)
     report = gen.main(["--checkpoint_path", str(quantized), "--chat", "--prompt", "Rivers flow to the sea.",
@@ -201,6 +203,8 @@ def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint
     err = capsys.readouterr().err
     assert report["dtype"] == "bfloat16" and report["identical"] and report["speculative"]["mean_accepted"] > 1
     assert "batch-invariant" in err and "the two answers are identical" in err
+    assert gen.parse_args(["--checkpoint_path", str(quantized), "--device", "cpu", "--batch_invariant", "--compile"])
     with pytest.raises(SystemExit):
-        gen.parse_args(["--checkpoint_path", str(quantized), "--device", "cpu", "--batch_invariant", "--compile"])
-    assert "holds eager only: pass --no-compile" in capsys.readouterr().err
+        gen.parse_args(["--checkpoint_path", str(quantized), "--device", "cpu", "--batch_invariant", "--compile",
+                        "--dtype", "float32"])
+    assert f"with a quantized file ({quantized.name}) is built for bfloat16, not float32" in capsys.readouterr().err
