@@ -14,9 +14,10 @@ replaced by recorders while it runs, and the host code sees the shared-memory li
 being checked (tree_attention.SHARED_MEMORY_PER_BLOCK), as it would read it from the device.
 
 Identical launches are counted, not kept; what a model group's host code launches depends on
-the shared-memory limit only (sm_86 and sm_89 share theirs), so it is gathered once per limit and
-saved under --cache_dir, keyed by the source of the code that ran (GATHER_SOURCES): a stopped sweep
-resumes where it stopped.
+the shared-memory limit only (sm_86 and sm_89 share theirs), so the model code runs once and each
+call of a host function runs once per limit (recording); each group's launches are saved per
+limit under --cache_dir, keyed by the source of the code that ran (GATHER_SOURCES): a stopped
+sweep resumes where it stopped.
 
 The launches fall into resource classes: Triton's own specialization key (argument types, the
 integers it specializes on, constants, warps, stages), what one compiled binary serves. Each class
@@ -121,26 +122,41 @@ def source_digest(kind: str) -> str:
 
 
 class _Recorder:
-    def __init__(self, module: str, kernel: str, launches: list):
-        self.module, self.kernel, self.launches = module, kernel, launches
+    def __init__(self, module: str, kernel: str, sink):
+        self.module, self.kernel, self.sink = module, kernel, sink
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append(Launch(self.module, self.kernel, args, kwargs))
+        return lambda *args, **kwargs: self.sink().append(Launch(self.module, self.kernel, args, kwargs))
+
+
+# The host functions that choose launches: what model.py / quantize.py / tune_kernels.py call.
+HOST_FUNCTIONS = (("tree_attention", "tree_attention"), ("int8_matmul", "int8_matmul"))
 
 
 @contextlib.contextmanager
-def recording(capability: tuple):
-    """Inside the block, tree_attention.py's and int8_matmul.py's launches are recorded, not run
-    (the list it yields), and their host code chooses as on a GPU of this compute capability. It
+def recording(limits):
+    """Inside the block, tree_attention.py's and int8_matmul.py's launches are recorded, not run,
+    into the dict it yields ({limit: [Launch, ...]}): each call of a host function (HOST_FUNCTIONS)
+    runs once for each shared-memory limit in `limits`, seeing that limit as it would read it from
+    a GPU, so one run of the (costly) model code gathers the launches of every GPU at once. It
     takes tensors on any device, so meta tensors serve."""
-    launches = []
-    limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+    launches = {limit: [] for limit in limits}
+    current = [limits[0]]
+    modules = {"tree_attention": tree_attention, "int8_matmul": int8_matmul}
     with contextlib.ExitStack() as stack:
-        for module in (tree_attention, int8_matmul):
+        for name, module in modules.items():
             stack.enter_context(mock.patch.object(module, "INTERPRETED", True))
-            stack.enter_context(mock.patch.object(module, "shared_memory_limit", lambda device: limit))
-            for kernel in KERNELS[module.__name__]:
-                stack.enter_context(mock.patch.object(module, kernel, _Recorder(module.__name__, kernel, launches)))
+            stack.enter_context(mock.patch.object(module, "shared_memory_limit", lambda device: current[0]))
+            for kernel in KERNELS[name]:
+                stack.enter_context(mock.patch.object(module, kernel, _Recorder(name, kernel,
+                                                                                lambda: launches[current[0]])))
+        for name, function in HOST_FUNCTIONS:
+            def each_limit(*args, _host=getattr(modules[name], function), **kwargs):
+                for limit in limits:
+                    current[0] = limit
+                    out = _host(*args, **kwargs)
+                return out
+            stack.enter_context(mock.patch.object(modules[name], function, each_limit))
         backend = model._tree_kernel
         model.set_attention_backend("triton")
         try:
@@ -254,10 +270,11 @@ def tune_launches():
                                             torch.empty(N, **meta))
 
 
-def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = None) -> dict:
-    """Every launch of the sweep (quick: the representative set) as the host code chooses on a
-    GPU of this capability: {frozen launch: count}. With cache_dir, each model group's launches
-    are read from there when an earlier run saved them, and saved when gathered."""
+def gather(capabilities, quick: bool = False, log=None, cache_dir: Path = None) -> dict:
+    """Every launch of the sweep (quick: the representative set) as the host code chooses on GPUs
+    of these capabilities: {shared-memory limit: {frozen launch: count}}, one entry per distinct
+    limit. With cache_dir, each model group's launches are read from there when an earlier run
+    saved them for every limit, and saved when gathered."""
     if quick:
         shards = [s for s in model_shards(["llama-2-7b", "llama-3-8b", "SmolLM2-135M"]) if s[1] <= 2]
         dtypes, slots, shapes, nodes, rows = (torch.bfloat16, torch.float32), (300, 4096), ((10, 6, 60),), \
@@ -265,13 +282,13 @@ def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = N
     else:
         shards, dtypes, slots, shapes, nodes, rows = model_shards(), DTYPES, CACHE_SLOTS, ROUND_SHAPES, VERIFY_NODES, \
             range(2, quantize.CUDA_INT8_KERNEL_ROWS + 1)
-    limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+    limits = tuple(sorted({tree_attention.SHARED_MEMORY_PER_BLOCK[c] for c in capabilities}))
     if cache_dir is not None:
         cache_dir = Path(cache_dir) / ("quick" if quick else "full")
         cache_dir.mkdir(parents=True, exist_ok=True)
         digests = {kind: source_digest(kind) for kind in GATHER_SOURCES}
-    total = {}
-    with recording(capability) as launches:
+    total = {limit: {} for limit in limits}
+    with recording(limits) as launches:
         seen = {}  # the launches of a shard depend on its attention and layer shapes only: gathered once
         for i, (name, n, config) in enumerate(shards):
             c = config
@@ -284,27 +301,34 @@ def gather(capability: tuple, quick: bool = False, log=None, cache_dir: Path = N
                     (("int8",) + layers, lambda d: int8_launches(config, n, d, rows))):
                 if key not in seen:
                     name_hash = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-                    path = None if cache_dir is None else \
-                        cache_dir / f"{key[0]}-{digests[key[0]]}-{limit}-{name_hash}.json"
-                    if path is not None and path.is_file():
-                        seen[key] = {thawed_key(r): k for r, k in json.loads(path.read_text())}
+                    paths = {limit: None if cache_dir is None else
+                             cache_dir / f"{key[0]}-{digests[key[0]]}-{limit}-{name_hash}.json" for limit in limits}
+                    if cache_dir is not None and all(path.is_file() for path in paths.values()):
+                        seen[key] = {limit: {thawed_key(r): k for r, k in json.loads(path.read_text())}
+                                     for limit, path in paths.items()}
                     else:
-                        launches.clear()
+                        for found in launches.values():
+                            found.clear()
                         for dtype in dtypes:
                             gather_one(dtype)
-                        seen[key] = count(launches)
-                        if path is not None:  # written whole, then renamed: a killed run leaves no half file
-                            tmp = path.with_suffix(".tmp")
-                            tmp.write_text(json.dumps([[r, k] for r, k in seen[key].items()]))
-                            tmp.replace(path)
-                for r, k in seen[key].items():
-                    total[r] = total.get(r, 0) + k
+                        seen[key] = {limit: count(found) for limit, found in launches.items()}
+                        for limit, path in paths.items():
+                            if path is not None:  # written whole, then renamed: a killed run leaves no half file
+                                tmp = path.with_suffix(".tmp")
+                                tmp.write_text(json.dumps([[r, k] for r, k in seen[key][limit].items()]))
+                                tmp.replace(path)
+                for limit in limits:
+                    for r, k in seen[key][limit].items():
+                        total[limit][r] = total[limit].get(r, 0) + k
             if log:
-                log(f"  {name} TP={n}: {sum(total.values())} launches so far ({i + 1}/{len(shards)})")
-        launches.clear()
+                log(f"  {name} TP={n}: {sum(sum(t.values()) for t in total.values())} launches so far, "
+                    f"{len(limits)} limits ({i + 1}/{len(shards)})")
+        for found in launches.values():
+            found.clear()
         tune_launches()
-        for r, k in count(launches).items():
-            total[r] = total.get(r, 0) + k
+        for limit, found in launches.items():
+            for r, k in count(found).items():
+                total[limit][r] = total[limit].get(r, 0) + k
     return total
 
 
@@ -439,12 +463,13 @@ def check(targets, quick: bool = False, log=print, cache_dir: Path = None) -> di
     compiler = Compiler()
     report = dict(targets={}, classes=[])
     classes = {}  # (target, class key) -> result row
-    by_limit = {}  # targets with the same shared-memory limit get the same launches
+    t0 = time.perf_counter()
+    # targets with the same shared-memory limit get the same launches; all limits in one pass
+    by_limit = gather([TARGETS[name] for name in targets], quick, log=None if quick else log, cache_dir=cache_dir)
+    gathered = time.perf_counter() - t0
     for name in targets:
         capability, t0 = TARGETS[name], time.perf_counter()
         limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
-        if limit not in by_limit:
-            by_limit[limit] = gather(capability, quick, log=None if quick else log, cache_dir=cache_dir)
         counts = by_limit[limit]
         groups = {}  # class key -> [(launch, count), ...]
         for record, k in counts.items():
@@ -452,7 +477,7 @@ def check(targets, quick: bool = False, log=print, cache_dir: Path = None) -> di
             key = config_key(launch) if quick else compiler.class_key(launch, capability)
             groups.setdefault(key, []).append((launch, k))
         n_launches = sum(counts.values())
-        log(f"{name}: {n_launches} launches in {len(groups)} classes (gathered in {time.perf_counter() - t0:.0f} s)")
+        log(f"{name}: {n_launches} launches in {len(groups)} classes (all limits gathered in {gathered:.0f} s)")
         totals = dict(capability=".".join(map(str, capability)), limit=limit, launches=n_launches,
                       classes=len(groups), failed=0, over_limit=0, over_bound=0, spilling=0, launches_failed=0,
                       launches_over_limit=0)

@@ -96,14 +96,22 @@ def test_the_check_catches_a_launch_over_the_limit():
 
 
 def test_a_stopped_sweep_resumes_from_its_gather_cache(tmp_path):
-    """The launches gathered per model group are saved under cache_dir; a second gather reads them
-    back and counts the same launches as one without a cache (the representative set, sm_86)."""
-    uncached = kernel_fit.gather((8, 6), quick=True)
-    first = kernel_fit.gather((8, 6), quick=True, cache_dir=tmp_path)
+    """The launches gathered per model group are saved under cache_dir, per shared-memory limit; a
+    second gather reads them back and counts the same launches as one without a cache (the
+    representative set). Gathered for two limits in one pass, each limit's launches equal a gather
+    for that limit alone, and they differ where the host code must choose smaller blocks."""
+    sm86, sm90 = kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[8, 6], \
+        kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[9, 0]
+    uncached = kernel_fit.gather([(8, 6)], quick=True)
+    first = kernel_fit.gather([(8, 6)], quick=True, cache_dir=tmp_path)
     files = sorted(tmp_path.rglob("*.json"))
     assert len(files) >= 6 and not list(tmp_path.rglob("*.tmp"))  # tree and int8 groups of 3 models
-    second = kernel_fit.gather((8, 6), quick=True, cache_dir=tmp_path)
-    assert first == second == uncached and sum(uncached.values()) > 500
+    second = kernel_fit.gather([(8, 6)], quick=True, cache_dir=tmp_path)
+    assert first == second == uncached and list(uncached) == [sm86] and sum(uncached[sm86].values()) > 500
+    both = kernel_fit.gather([(8, 6), (9, 0)], quick=True)
+    assert both[sm86] == uncached[sm86] and both[sm90] == kernel_fit.gather([(9, 0)], quick=True)[sm90]
+    assert both[sm86] != both[sm90]
+    uncached = uncached[sm86]
     # a launch survives JSON: the compiler sees the same tensor dtypes and integers
     record = next(r for r in uncached if r[1] == "_tree_attention_kernel")
     assert kernel_fit.frozen(kernel_fit.thawed(json.loads(json.dumps(record)))) == record
