@@ -4,9 +4,9 @@
 # (streamed), and print both speeds, the speedup, tau (tokens per target forward) and whether
 # the two answers are identical.
 #
-# The head: the EAGLE-2 one (checkpoints/NAME/eagle/), which accepts more of its guesses than the
-# EAGLE-3 one (MT-bench tau 2.45 against 2.06, benchmarks/README.md); DEMO_SPECULATE=eagle3 (or
-# eagle) picks another.
+# The head: the EAGLE-2 one (checkpoints/NAME/eagle/), which accepts at least as many of its guesses
+# as the EAGLE-3 one (MT-bench tau 2.54 against 2.50, benchmarks/README.md); DEMO_SPECULATE=eagle3
+# (or eagle) picks another.
 # The settings are generate.py's defaults on a CPU, what measured fastest on a 2-core CPU
 # (benchmarks/README.md): compiled (frozen weights, Inductor's C++ GEMM templates; compiling takes
 # a minute or two the first time and is cached on disk, so later runs start in seconds),
