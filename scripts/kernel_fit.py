@@ -426,6 +426,29 @@ class Compiler:
                     spill_stores=int(spills.group(1)) if spills else 0, seconds=time.perf_counter() - start)
 
 
+def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_dir: Path = None) -> dict:
+    """compiler.compile(launch, capability), kept under cache_dir/compiled when cache_dir is given:
+    keyed by the launch's class (Triton's specialization key), the target, the kernel module's
+    source and Triton's version, so a stopped sweep does not compile a class twice."""
+    if cache_dir is None:
+        return compiler.compile(launch, capability)
+    import triton
+
+    digest = hashlib.sha256()
+    for part in (compiler.class_key(launch, capability), repr(capability), triton.__version__):
+        digest.update(part.encode())
+    digest.update((ROOT / f"{launch.module}.py").read_bytes())
+    path = Path(cache_dir) / "compiled" / f"{launch.kernel.strip('_')}-{digest.hexdigest()[:24]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = compiler.compile(launch, capability)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")  # written whole, then renamed: a killed run leaves no half file
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result
+
+
 def config_key(launch: Launch) -> tuple:
     """What a launch's resources depend on, short of the integers Triton specializes on: kernel,
     tensor dtypes, constants (split or not; the split count only bounds a loop), warps and stages.
@@ -483,7 +506,7 @@ def check(targets, quick: bool = False, log=print, cache_dir: Path = None) -> di
                       launches_over_limit=0)
         for i, (key, members) in enumerate(groups.items()):
             first, n_members = members[0][0], sum(k for _, k in members)
-            result = compiler.compile(first, capability)
+            result = cached_compile(compiler, first, capability, cache_dir)
             bound = host_bound(first)
             row = dict(target=name, kernel=first.kernel, launch=describe(first), launches=n_members,
                        limit=limit, bound=bound, key=key, **result)
@@ -542,8 +565,8 @@ def main(argv=None):
                    help=f"default: all ({', '.join(TARGETS)}); --quick: {', '.join(QUICK_TARGETS)}")
     p.add_argument("--quick", action="store_true", help="the representative set of tests/test_kernel_fit.py")
     p.add_argument("--cache_dir", type=Path, default=Path.home() / ".cache" / "eagle-gpt-fast" / "kernel_fit",
-                   help="where gathered launches are kept, per model group and limit, so that a stopped sweep "
-                        "resumes (default: %(default)s)")
+                   help="where gathered launches (per model group and limit) and compile results (per class and "
+                        "target) are kept, so that a stopped sweep resumes (default: %(default)s)")
     p.add_argument("--no_cache", action="store_true", help="gather everything again, keep nothing")
     args = p.parse_args(argv)
     why = unavailable()

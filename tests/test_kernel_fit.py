@@ -95,6 +95,31 @@ def test_the_check_catches_a_launch_over_the_limit():
     assert got["sm80"] <= limits[8, 0]
 
 
+def test_compile_results_are_cached(tmp_path):
+    """A compiled class's result is kept under cache_dir and read back, not compiled again; another
+    target is another entry."""
+    got = fresh_python(f"""
+        import json, torch, kernel_fit
+        compiler = kernel_fit.Compiler()
+        meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
+        args = (meta(16, 256), meta(64, 256, dtype=torch.int8), meta(64), meta(16, 256), 16, 64, 256, 256, 256, 64)
+        launch = kernel_fit.Launch("int8_matmul", "_int8_matmul_kernel", args,
+                                   dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2))
+        first = kernel_fit.cached_compile(compiler, launch, (8, 6), {str(tmp_path)!r})
+        compiler.compile = None  # a second compile would fail
+        second = kernel_fit.cached_compile(compiler, launch, (8, 6), {str(tmp_path)!r})
+        try:
+            kernel_fit.cached_compile(compiler, launch, (9, 0), {str(tmp_path)!r})
+            other_target = "read from the cache"
+        except TypeError:
+            other_target = "compiled"
+        print(json.dumps(dict(first=first, second=second, other_target=other_target)))
+    """)
+    assert got["first"] == got["second"] and got["first"]["shared"] > 0 and "error" not in got["first"]
+    assert got["other_target"] == "compiled"
+    assert len(list((tmp_path / "compiled").glob("*.json"))) == 1
+
+
 def test_a_stopped_sweep_resumes_from_its_gather_cache(tmp_path):
     """The launches gathered per model group are saved under cache_dir, per shared-memory limit; a
     second gather reads them back and counts the same launches as one without a cache (the
