@@ -480,9 +480,35 @@ def describe(launch: Launch) -> str:
             f"warps {launch.kwargs.get('num_warps', 4)}, stages {launch.kwargs.get('num_stages', 3)}")
 
 
-def check(targets, quick: bool = False, log=print, cache_dir: Path = None) -> dict:
+_WORK = []  # (compiler, launch, capability, cache_dir) of each class still to compile: read by forked workers
+
+
+def _compile_into_cache(i: int) -> None:
+    cached_compile(*_WORK[i])
+
+
+def compile_ahead(compiler: Compiler, work, cache_dir: Path, jobs: int, log=print) -> None:
+    """Fill cache_dir with the compile results of `work` ([(launch, capability)], one launch per
+    class) in `jobs` forked processes: each compile is one ptxas run on one core. The workers
+    inherit the launches (meta tensors do not pickle) and pass back nothing but an index."""
+    import multiprocessing
+
+    _WORK[:] = [(compiler, launch, capability, cache_dir) for launch, capability in work]
+    t0 = time.perf_counter()
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for i, _ in enumerate(pool.imap_unordered(_compile_into_cache, range(len(work)), chunksize=4)):
+                if (i + 1) % 100 == 0:
+                    log(f"  compiled {i + 1}/{len(work)} classes in {jobs} processes "
+                        f"({time.perf_counter() - t0:.0f} s)")
+    finally:
+        _WORK.clear()
+
+
+def check(targets, quick: bool = False, log=print, cache_dir: Path = None, jobs: int = 1) -> dict:
     """Gather and compile for each target (quick: the representative set, one class per
-    config_key); returns the report that markdown() writes out."""
+    config_key); returns the report that markdown() writes out. jobs > 1 (with a cache_dir):
+    the classes not in the cache are compiled first, in that many processes."""
     compiler = Compiler()
     report = dict(targets={}, classes=[])
     classes = {}  # (target, class key) -> result row
@@ -490,6 +516,14 @@ def check(targets, quick: bool = False, log=print, cache_dir: Path = None) -> di
     # targets with the same shared-memory limit get the same launches; all limits in one pass
     by_limit = gather([TARGETS[name] for name in targets], quick, log=None if quick else log, cache_dir=cache_dir)
     gathered = time.perf_counter() - t0
+    if jobs > 1 and cache_dir is not None and not quick:
+        work = {}
+        for name in targets:
+            capability = TARGETS[name]
+            for record in by_limit[tree_attention.SHARED_MEMORY_PER_BLOCK[capability]]:
+                launch = thawed(record)
+                work.setdefault((compiler.class_key(launch, capability), capability), (launch, capability))
+        compile_ahead(compiler, list(work.values()), cache_dir, jobs, log)
     for name in targets:
         capability, t0 = TARGETS[name], time.perf_counter()
         limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
@@ -568,6 +602,8 @@ def main(argv=None):
                    help="where gathered launches (per model group and limit) and compile results (per class and "
                         "target) are kept, so that a stopped sweep resumes (default: %(default)s)")
     p.add_argument("--no_cache", action="store_true", help="gather everything again, keep nothing")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile in this many processes (with the cache; each compile takes one core)")
     args = p.parse_args(argv)
     why = unavailable()
     if why:
@@ -576,7 +612,7 @@ def main(argv=None):
 
     targets = args.targets or (QUICK_TARGETS if args.quick else tuple(TARGETS))
     report = check(targets, args.quick, log=lambda s: print(s, file=sys.stderr, flush=True),
-                   cache_dir=None if args.no_cache else args.cache_dir)
+                   cache_dir=None if args.no_cache else args.cache_dir, jobs=args.jobs)
     report.update(date=time.strftime("%Y-%m-%d", time.gmtime()), torch=torch.__version__, triton=triton.__version__,
                   command="python scripts/kernel_fit.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   sweep="quick (tests/test_kernel_fit.py)" if args.quick else (
