@@ -153,11 +153,19 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
         compiled  bfloat16, float16, float32 (the C++ GEMM templates), int8/int4 files in bfloat16
         eager     bfloat16 (oneDNN) and int8/int4 files in bfloat16 (torch's int8/int4 CPU kernels);
                   (eager float32 and float16 GEMMs gave every row of 8- and 30-row verifies apart)
-    CUDA and tensor parallelism are not built."""
-    if device != "cpu" or tp.launched_by_torchrun():
-        return (f"--batch_invariant is built for a CPU in one process, not --device {device}"
-                f"{' under torchrun' if tp.launched_by_torchrun() else ''}")
+    On CUDA the target runs on invariant_kernels.py's Triton kernels, in every dtype, eager or
+    compiled (proven in Triton's interpreter and compiled ahead of time: no GPU was lent to measure
+    it); quantized files and tensor parallelism have no invariant path there."""
+    if tp.launched_by_torchrun():
+        return "--batch_invariant is built for one process, not under torchrun"
     quantized = mode_from_path(checkpoint_path)[0]
+    if device.startswith("cuda"):
+        if quantized is not None:
+            return (f"--batch_invariant on CUDA has no kernel for quantized files ({Path(checkpoint_path).name}): "
+                    f"use the bf16 checkpoint")
+        return None
+    if device != "cpu":
+        return f"--batch_invariant is built for a CPU or CUDA, not --device {device}"
     if quantized is not None and dtype != "bfloat16":
         return f"--batch_invariant with a quantized file ({Path(checkpoint_path).name}) is built for bfloat16, not {dtype}"
     if not compile and dtype != "bfloat16":
@@ -168,10 +176,14 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
 
 def set_batch_invariant(model: Transformer) -> Transformer:
     """--batch_invariant: the target's attention over a layout fixed by each query's position
-    (model.invariant_attention), and its int8 layers on one kernel for every row count
-    (quantize.set_row_invariant)."""
+    (model.invariant_attention; on CUDA invariant_kernels.window_attention), its int8 layers on one
+    kernel for every row count (quantize.set_row_invariant), and on CUDA its linears and norms on
+    invariant_kernels.py's kernels."""
     model.invariant_window = INVARIANT_WINDOW
     set_row_invariant(model)
+    if model.tok_embeddings.weight.is_cuda:
+        from invariant_kernels import use_invariant_kernels  # needs Triton, as CUDA runs do anyway
+        use_invariant_kernels(model)
     return model
 
 

@@ -416,6 +416,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     multiple of KV, never materialised); mask [B, T, S] bool or a TreeMask. Every attention call
     goes through here, so a fused kernel can replace it for all callers at once."""
     if isinstance(mask, WindowMask):
+        if q.is_cuda:  # PyTorch's CUDA reductions split a row by the number of rows: the kernel does not
+            from invariant_kernels import window_attention
+            return window_attention(q, k, v, mask)
         return invariant_attention(q, k, v, mask)
     if isinstance(mask, TreeMask):
         if _tree_kernel is not None and (q.is_cuda or _tree_kernel.INTERPRETED):

@@ -910,6 +910,10 @@ def compile_function(fn, device, modules, *, dynamic: bool = False, options: Opt
             raise RuntimeError(f"compiling for a CPU needs {', '.join(missing)}, which torch {torch.__version__} "
                                f"lacks: upgrade torch (2.13 has them) or run without --compile")
         return frozen(torch.compile(fn, backend=cpu_backend(*modules), fullgraph=True, dynamic=dynamic))
+    if any(getattr(m, "invariant_window", None) is not None for m in modules):
+        # batch-invariant mode: a fused kernel keeps a 16-bit intermediate in float32 otherwise, and
+        # which ops fuse depends on the graph's shapes (the CPU's CPU_INVARIANT, measured there)
+        options = dict(options or {}, emulate_precision_casts=True)
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, options=options)
 
 

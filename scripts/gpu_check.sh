@@ -15,7 +15,8 @@
 #      then int8 and int4 g32 targets (quantized in memory); then a sweep of the kernels' launch
 #      constants (scripts/tune_kernels.py)
 #   3. SmolLM2-135M-Instruct with the shipped heads on an MT-bench subset: vanilla against every
-#      method, T=0 and T=1, speedup, tau, equality in float32 and bf16
+#      method, T=0 and T=1, speedup, tau, equality in float32 and bf16 (and bf16 with
+#      --batch_invariant: invariant_kernels.py, where every answer should equal vanilla's)
 # OUT_DIR ends up holding gpu_check.log (what ran, how long, what was skipped), summary.md (every
 # table) and details.tar.gz (each run's log, JSON and Markdown, pytest's XML): three files, as
 # few as a device call returns.
@@ -264,7 +265,8 @@ else
             --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
     }
     stage3 mt_bench-smollm2-fp32-eager 25 --dtype float32 --temperatures 0 --methods "${OTHERS[@]}" eagle2
-    stage3 mt_bench-smollm2-bf16-eagle2 45 --dtype bfloat16 --compile --temperatures 0 1 --methods eagle2
-    stage3 mt_bench-smollm2-bf16-others 30 --dtype bfloat16 --compile --temperatures 0 --methods "${OTHERS[@]}"
+    stage3 mt_bench-smollm2-bf16-eagle2 35 --dtype bfloat16 --compile --temperatures 0 1 --methods eagle2
+    stage3 mt_bench-smollm2-bf16-invariant 20 --dtype bfloat16 --compile --batch_invariant --temperatures 0 --methods eagle2
+    stage3 mt_bench-smollm2-bf16-others 20 --dtype bfloat16 --compile --temperatures 0 --methods "${OTHERS[@]}"
 fi
 log "total $SECONDS s; OUT_DIR: gpu_check.log, summary.md, details.tar.gz"

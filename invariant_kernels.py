@@ -1,0 +1,285 @@
+"""Batch-invariant kernels for CUDA: what --batch_invariant runs on a GPU.
+
+In batch-invariant mode (model.Transformer.invariant_window, generate.py --batch_invariant) a
+token's row of the target's logits must come out bit for bit the same from a one-token decode step
+and from a verify of T tree nodes, so that greedy speculative output equals plain decoding's in
+bf16 and fp16 too. On a CPU torch's own kernels do that where configured (model.invariant_attention,
+Inductor's C++ GEMM templates). On CUDA they do not: cuBLAS picks a GEMM kernel (tile shape,
+split-K) by the row count, and PyTorch's CUDA reductions (RMSNorm's mean, the sums of
+model.invariant_attention) split a row's reduction differently as the number of rows changes.
+The kernels here give every row one launch configuration whatever the row count, so a row's
+reduction order depends on nothing but the row:
+
+    invariant_linear   x [M, K] @ w [N, K]^T (+ bias): fixed BLOCK_M/N/K for every M, K walked in
+                       order, no split-K
+    rms_norm           one program per row
+    window_attention   one program per query: the old part of the cache in BLOCK_N-slot blocks from
+                       slot 0, then the W + 1 recent positions in order (model.WindowMask)
+
+Each is a torch custom op (eagle_gpt_fast::...), so a compiled graph neither fuses into it nor
+retiles it, and it launches without a host sync (a CUDA graph captures it). use_invariant_kernels
+swaps a target's linears and norms for them; model.attention sends a WindowMask on CUDA to
+window_attention. The launch constants are untuned: no GPU has been lent to this project; they
+compile for sm_80/86/89/90 within each limit (tests/test_invariant_kernels.py). On a CPU the
+kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), as the tests do.
+"""
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+
+# The linear's one launch configuration per dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages). 16-bit inputs on tensor cores; float32 on FMA units ("ieee", no TF32) with the small
+# tiles that compiled without spills for int8_matmul.py's and tree_attention.py's float32 paths.
+LINEAR_CONFIG = {2: (32, 64, 64, 4, 3), 4: (16, 32, 32, 8, 2)}
+ATTENTION_BLOCK_N = 64  # cache slots per block of window_attention's old part
+ATTENTION_WARPS = 4
+
+
+def _check_device(*tensors: Tensor) -> None:
+    if not (all(t.is_cuda for t in tensors) or INTERPRETED):
+        raise ValueError("the batch-invariant kernels run on CUDA tensors; to run them on the CPU, set "
+                         "TRITON_INTERPRET=1 before invariant_kernels is imported")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear
+# ---------------------------------------------------------------------------------------------
+def linear_config(dtype: torch.dtype) -> dict:
+    """The launch constants of invariant_linear for inputs of dtype: the same for every row count."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"invariant_linear takes float16, bfloat16 or float32, got {dtype}")
+    block_m, block_n, block_k, warps, stages = LINEAR_CONFIG[dtype.itemsize]
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+
+
+@torch.library.custom_op("eagle_gpt_fast::invariant_linear", mutates_args=())
+def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N], in x's dtype (fp32 sums); row i of the result is the
+    same bits for any M."""
+    if x.dim() != 2 or weight.dim() != 2 or x.size(1) != weight.size(1) or x.dtype != weight.dtype or (
+            bias is not None and (bias.shape != (weight.size(0),) or bias.dtype != x.dtype)):
+        raise ValueError(f"invariant_linear wants x [M, K], weight [N, K] and bias [N] of one dtype, got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}"
+                         f"{'' if bias is None else f', {tuple(bias.shape)} {bias.dtype}'}")
+    _check_device(x, weight)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    (M, K), N = x.shape, weight.size(0)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    launch = linear_config(x.dtype)
+    grid = (triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(M, launch["BLOCK_M"]))
+    _linear_kernel[grid](x, weight, weight if bias is None else bias, y, M, N, K,
+                         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **launch)
+    return y
+
+
+@invariant_linear.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(x.size(0), weight.size(0))
+
+
+@triton.jit
+def _linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_M rows times BLOCK_N output channels, K in BLOCK_K steps from 0 up. A row
+    is computed the same in any row block and any grid: nothing here depends on M but the mask."""
+    n_block, m_block = tl.program_id(0), tl.program_id(1)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rows[:, None] * stride_xm + ks[None, :]   # [BLOCK_M, BLOCK_K], moved along K
+    w_ptrs = W + cols[None, :] * stride_wn + ks[:, None]   # [BLOCK_K, BLOCK_N]: w^T's block
+    x_live, w_live = rows[:, None] < M, cols[None, :] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
+        x = tl.load(x_ptrs, mask=x_live & (ks[None, :] < k_left), other=0.0)
+        w_t = tl.load(w_ptrs, mask=w_live & (ks[:, None] < k_left), other=0.0)
+        acc += tl.dot(x, w_t, input_precision="ieee")  # "ieee": no TF32 for float32
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=x_live & w_live)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("eagle_gpt_fast::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """model.RMSNorm's arithmetic, one program per row of x [M, N]: normalise in float32, cast to
+    x's dtype, times weight [N]."""
+    if x.dim() != 2 or weight.shape != (x.size(1),):
+        raise ValueError(f"rms_norm wants x [M, N] and weight [N], got {tuple(x.shape)}, {tuple(weight.shape)}")
+    _check_device(x, weight)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _rms_norm_kernel[(x.size(0),)](x, weight, y, x.size(1), x.stride(0), y.stride(0), eps,
+                                   BLOCK=_pow2_at_least(x.size(1)))
+    return y
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, N, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)).to(x.dtype)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    # as torch multiplies two 16-bit tensors: in float32, rounded once to the result's dtype
+    tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over a WindowMask
+# ---------------------------------------------------------------------------------------------
+def window_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+    """model.invariant_attention's semantics on CUDA: q [B, H, T, D]; k, v the whole cache
+    [B, KV, S, D]; mask a model.WindowMask (old_end [B, T], recent_slots and recent_ok [B, T, W + 1]).
+    Returns [B, H, T, D] in q's dtype."""
+    return _window_attention(q, k, v, mask.old_end, mask.recent_slots, mask.recent_ok)
+
+
+@torch.library.custom_op("eagle_gpt_fast::window_attention", mutates_args=())
+def _window_attention(q: Tensor, k: Tensor, v: Tensor, old_end: Tensor, recent_slots: Tensor,
+                      recent_ok: Tensor) -> Tensor:
+    B, H, T, D = q.shape
+    KV = k.size(1)
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.size(3) != D or H % KV or \
+            old_end.shape != (B, T) or recent_slots.dim() != 3 or recent_slots.shape[:2] != (B, T) or \
+            recent_ok.shape != recent_slots.shape:
+        raise ValueError(f"window_attention wants q [B, H, T, D], k and v [B, KV, S, D] (H a multiple of KV), "
+                         f"old_end [B, T] and recent_slots/recent_ok [B, T, W + 1], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(old_end.shape)}, {tuple(recent_slots.shape)}")
+    _check_device(q, k, v, old_end, recent_slots, recent_ok)
+    k, v = [x if x.stride(-1) == 1 else x.contiguous() for x in (k, v)]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    recent_slots, recent_ok = recent_slots.contiguous(), recent_ok.contiguous()
+    W1 = recent_slots.size(-1)
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)  # handed back as [B, H, T, D], as tree_attention
+    _window_attention_kernel[(T, H, B)](
+        q, k, v, old_end, recent_slots, recent_ok, out,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *old_end.stride(), recent_slots.stride(0),
+        recent_slots.stride(1), out.stride(0), out.stride(2), out.stride(1),
+        H // KV, W1, D ** -0.5,
+        D=D, BLOCK_D=_pow2_at_least(D), BLOCK_N=ATTENTION_BLOCK_N, BLOCK_R=_pow2_at_least(W1),
+        num_warps=ATTENTION_WARPS)
+    return out.transpose(1, 2)
+
+
+@_window_attention.register_fake
+def _(q, k, v, old_end, recent_slots, recent_ok):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).transpose(1, 2)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots, ok, d, d_ok, sm_scale):
+    """Scores of one block of slots in float32 (products summed over head_dim), folded into the
+    running maximum m_i, sum l_i and output acc."""
+    kv_mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(K_base + slots[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every block the kernel folds has a live slot
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new)
+    v = tl.load(V_base + slots[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    return acc * alpha + tl.sum(p[:, None] * v, axis=0), m_new, l_i * alpha + tl.sum(p, axis=0)
+
+
+@triton.jit
+def _window_attention_kernel(
+    Q, K, V, OldEnd, Recent, RecentOk, Out,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_eb, stride_et, stride_rb, stride_rt, stride_ob, stride_oh, stride_ot,
+    G, W1, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program per (query, head, batch row): the old part (slots < old_end, in place), block by
+    block from slot 0, then the W + 1 recent positions in their order; every step depends on the
+    query's own position only."""
+    t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    kv = h // G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + t * stride_qt + d, mask=d_ok, other=0.0).to(tl.float32)
+    K_base, V_base = K + b * stride_kb + kv * stride_kh, V + b * stride_vb + kv * stride_vh
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([], 0.0, dtype=tl.float32)
+    old_end = tl.load(OldEnd + b * stride_eb + t * stride_et)
+    for n0 in range(0, old_end, BLOCK_N):
+        slots = n0 + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots,
+                                             slots < old_end, d, d_ok, sm_scale)
+    j = tl.arange(0, BLOCK_R)
+    row = b * stride_rb + t * stride_rt
+    ok = tl.load(RecentOk + row + j, mask=j < W1, other=0) != 0
+    slots = tl.load(Recent + row + j, mask=ok, other=0)
+    acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots, ok, d, d_ok,
+                                         sm_scale)
+    tl.store(Out + b * stride_ob + h * stride_oh + t * stride_ot + d, (acc / l_i).to(Out.dtype.element_ty), mask=d_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's layers on these kernels
+# ---------------------------------------------------------------------------------------------
+class InvariantLinear(nn.Module):
+    """nn.Linear through invariant_linear; the same weight and bias tensors (tied weights stay tied)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = invariant_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class InvariantRMSNorm(nn.Module):
+    """model.RMSNorm through rms_norm; the same weight tensor."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.eps, self.weight = norm.eps, norm.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x.reshape(-1, x.size(-1)), self.weight, self.eps).view(x.shape)
+
+
+def use_invariant_kernels(model: nn.Module) -> nn.Module:
+    """Swap the target's nn.Linear and RMSNorm modules for InvariantLinear and InvariantRMSNorm (in
+    place; state-dict keys and tied weights are unchanged). Mixture-of-experts layers and quantized
+    linears have no invariant CUDA path: a clear error."""
+    from model import RMSNorm  # here: model.py imports this module lazily, never the other way round
+    from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+    if getattr(getattr(model, "config", None), "num_experts", 0):
+        raise ValueError("batch-invariant mode on CUDA has no kernel for mixture-of-experts layers")
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                setattr(parent, name, InvariantLinear(child))
+            elif isinstance(child, RMSNorm):
+                setattr(parent, name, InvariantRMSNorm(child))
+            elif isinstance(child, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
+                raise ValueError(f"batch-invariant mode on CUDA has no kernel for quantized layers ({type(child).__name__})")
+    return model

@@ -1,0 +1,209 @@
+"""invariant_kernels.py: batch-invariant mode's CUDA kernels. Each kernel's row t of a T-row call
+equals a one-row call bit for bit (T = 1..64), the kernels agree with PyTorch's arithmetic, a whole
+model on them gives a verify's rows the bits of one-token steps, and every launch compiles for
+sm_80/86/89/90 within the shared-memory limit.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET set before the import, as
+tests/test_tree_attention.py does). The interpreter has no bfloat16 tl.dot (triton-lang/triton#11584),
+so the linear is checked there in float16 and float32; the norm and attention (no tl.dot) in all three.
+"""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model as model_module
+from conftest import ROOT, invariant_cases, tiny_target
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # for the rest of the session: triton reads it again at launch
+import invariant_kernels as ik  # noqa: E402
+
+if not torch.cuda.is_available() and not ik.INTERPRETED:
+    importlib.reload(ik)  # imported before the variable was set: decorate again
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not ik.INTERPRETED,
+                                                 reason="the kernels are compiled for the GPU (no TRITON_INTERPRET)")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (device, dtype) of the linear: bf16's tl.dot on the GPU only
+LINEAR_CASES = [pytest.param(d.values[0], dtype, marks=d.marks) for d in DEVICES for dtype in ALL_DTYPES
+                if not (d.values[0] == "cpu" and dtype == torch.bfloat16)]
+
+
+def assert_rows_invariant(fn, x, rows=range(1, 65)):
+    """fn(x[:T])[t] == fn(x[t:t + 1])[0] bit for bit for every T in rows and t < T."""
+    singles = torch.cat([fn(x[t:t + 1]) for t in range(max(rows))])
+    for T in rows:
+        assert torch.equal(fn(x[:T]), singles[:T]), T
+
+
+@pytest.mark.parametrize("device, dtype", LINEAR_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_do_not_depend_on_the_row_count(device, dtype, bias):
+    g = torch.Generator().manual_seed(0)
+    K, N = 200, 72  # neither a multiple of the blocks: masked edges in both
+    x = torch.randn(64, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+    torch.testing.assert_close(ik.invariant_linear(x, w, b).float(), torch.nn.functional.linear(x, w, b).float(),
+                               **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_model_norm(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    norm = model_module.RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96, generator=g)
+    norm = norm.to(device, dtype)
+    x = (torch.randn(64, 96, generator=g) * 3).to(device, dtype)
+    torch.testing.assert_close(ik.rms_norm(x, norm.weight, norm.eps), norm(x),
+                               **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}))
+    assert_rows_invariant(lambda rows: ik.rms_norm(rows, norm.weight, norm.eps), x)
+
+
+def window_case(device, dtype, T, W=8, H=4, KV=2, D=16, S=96, old=40, seed=0):
+    """Queries at positions old + W .. old + W + T - 1 of committed text (slot = position), the
+    WindowMask that model.window_mask builds for them, and a cache."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, D, generator=g).transpose(1, 2)
+    k, v = torch.randn(2, 1, KV, S, D, generator=g)
+    pos = torch.arange(old + W, old + W + T)[None]
+    mask = model_module.window_mask(None, pos, pos, S, W)
+    return [t.to(device, dtype) for t in (q, k, v)], [t.to(device) for t in mask]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_window_attention_is_attention_and_its_rows_do_not_depend_on_the_row_count(device, dtype):
+    T = 24
+    (q, k, v), mask = window_case(device, dtype, T)
+    out = ik.window_attention(q, k, v, model_module.WindowMask(*mask))
+    expected = model_module.invariant_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(),
+                                                model_module.WindowMask(*(t.cpu() for t in mask)))
+    torch.testing.assert_close(out.cpu().float(), expected,
+                               **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    singles = torch.cat([ik.window_attention(q[:, :, t:t + 1], k, v, model_module.WindowMask(*(m[:, t:t + 1] for m in mask)))
+                         for t in range(T)], dim=2)
+    assert torch.equal(out, singles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_is_a_clear_error(device):
+    x = torch.zeros(2, 8, device=device)
+    with pytest.raises(ValueError, match="invariant_linear wants"):
+        ik.invariant_linear(x, torch.zeros(4, 7, device=device))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        ik.linear_config(torch.int8)
+    with pytest.raises(ValueError, match="rms_norm wants"):
+        ik.rms_norm(x, torch.ones(7, device=device), 1e-5)
+    moe = tiny_target("tiny-mixtral") if "tiny-mixtral" in model_module.transformer_configs else None
+    if moe is not None:
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            ik.use_invariant_kernels(moe)
+
+
+@pytest.mark.parametrize("device, dtype", LINEAR_CASES)
+@torch.no_grad()
+def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, monkeypatch):
+    """The whole target (tiny-llama, GQA, two layers) on the kernels, eager: every row of 16- and
+    48-node tree verifies equals the one-token step's logits bit for bit. On the CPU the attention
+    is routed to the kernel as model.attention routes it on CUDA."""
+    if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
+        monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
+    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to(device, dtype)
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
+    assert model.output.weight is model.tok_embeddings.weight or not model.config.tie_embeddings
+    model.invariant_window = 32
+    for P, T, region in ((5, 3, 3), (40, 12, 48)):
+        model.setup_caches(1, 128)
+        steps, cases = invariant_cases(model, dtype, P, T, region)
+        for case, logits in cases.items():
+            assert torch.equal(logits, steps), (case, P, T)
+
+
+CHECK_FIT = r"""
+import json, torch, kernel_fit, invariant_kernels as ik
+compiler = kernel_fit.Compiler()
+compiler.modules["invariant_kernels"] = kernel_fit.compilable("invariant_kernels")
+t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")
+launches = []
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for has_bias in (False, True):
+        launches.append(kernel_fit.Launch("invariant_kernels", "_linear_kernel",
+            (t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536), dict(HAS_BIAS=has_bias, **ik.linear_config(dtype))))
+    launches.append(kernel_fit.Launch("invariant_kernels", "_rms_norm_kernel",
+        (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
+    for D in (64, 128):
+        launches.append(kernel_fit.Launch("invariant_kernels", "_window_attention_kernel",
+            (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype))
+            + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1, 528, 33, 1 << 16, 128, 64 * 128)
+            + (4, 33, 0.125), dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, num_warps=ik.ATTENTION_WARPS)))
+rows = []
+for name, capability in kernel_fit.TARGETS.items():
+    limit = kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+    for launch in launches:
+        result = compiler.compile(launch, capability)
+        rows.append(dict(target=name, launch=kernel_fit.describe(launch), limit=limit, **result))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
+def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit():
+    """Each kernel's launches (one configuration per dtype for the linear; the norm at 8,192 (LLaMA-2-70B's width)
+    columns; attention at head_dim 64 and 128), compiled ahead of time as scripts/kernel_fit.py
+    does: no compile error, shared memory within each GPU's per-block limit."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_fit
+    if kernel_fit.unavailable():
+        pytest.skip(f"no ahead-of-time CUDA compilation here: {kernel_fit.unavailable()}")
+    out = subprocess.run([sys.executable, "-c", CHECK_FIT], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{ROOT}:{ROOT / 'scripts'}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4 * 15
+    for row in rows:
+        assert "error" not in row, row
+        assert row["shared"] <= row["limit"], row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
+    """Compiled (fullgraph, as a round is), the custom ops' fake implementations stand for the
+    kernels: the graph has no break, holds each op whole, and its verify gives the eager rows."""
+    if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
+        monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
+    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=1)).to(device, torch.float16)
+    model.invariant_window = 32
+    model.setup_caches(1, 64)
+    eager_steps, eager_cases = invariant_cases(model, torch.float16, 6, 4, 8)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(torch._dynamo.dont_skip_tracing(model.forward), backend=backend, fullgraph=True)
+    eager_forward, model.forward = model.forward, compiled
+    try:
+        model.setup_caches(1, 64)
+        steps, cases = invariant_cases(model, torch.float16, 6, 4, 8)
+    finally:
+        model.forward = eager_forward
+        torch._dynamo.reset()
+    assert any("invariant_linear" in op for op in ops) and any("rms_norm" in op for op in ops)
+    assert any("window_attention" in op for op in ops)
+    assert torch.equal(steps, eager_steps)
+    for case, logits in cases.items():
+        assert torch.equal(logits, eager_cases[case]) and torch.equal(logits, steps), case
