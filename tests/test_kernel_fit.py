@@ -3,7 +3,7 @@ chooses (speculative rounds and verifies of LLaMA-2-7B, LLaMA-3-8B and SmolLM2-1
 bfloat16 and float32, int8 layers at 2-128 rows, scripts/tune_kernels.py's sweeps), compiled ahead
 of time for sm_80, sm_86 and sm_90 with Triton's CUDA backend and the ptxas it ships: no compile
 error, shared memory within each GPU's per-block limit, and within the bound the host code chose
-by. The full sweep is the script's (benchmarks/kernel_fit.md). Skips where Triton cannot compile
+by. The full sweep is the script's (benchmarks/kernel_fit.md, .json.gz). Skips where Triton cannot compile
 for NVIDIA GPUs; no GPU needed.
 
 The compiles run in a fresh process: Triton's interpreter (tests/test_tree_attention.py and
