@@ -47,10 +47,6 @@ def _check_device(*tensors: Tensor) -> None:
                          "TRITON_INTERPRET=1 before invariant_kernels is imported")
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 # ---------------------------------------------------------------------------------------------
 # Linear
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +122,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _rms_norm_kernel[(x.size(0),)](x, weight, y, x.size(1), x.stride(0), y.stride(0), eps,
-                                   BLOCK=_pow2_at_least(x.size(1)))
+                                   BLOCK=triton.next_power_of_2(x.size(1)))
     return y
 
 
@@ -180,7 +176,7 @@ def _window_attention(q: Tensor, k: Tensor, v: Tensor, old_end: Tensor, recent_s
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *old_end.stride(), recent_slots.stride(0),
         recent_slots.stride(1), out.stride(0), out.stride(2), out.stride(1),
         H // KV, W1, D ** -0.5,
-        D=D, BLOCK_D=_pow2_at_least(D), BLOCK_N=ATTENTION_BLOCK_N, BLOCK_R=_pow2_at_least(W1),
+        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=ATTENTION_BLOCK_N, BLOCK_R=triton.next_power_of_2(W1),
         num_warps=ATTENTION_WARPS)
     return out.transpose(1, 2)
 
@@ -272,7 +268,7 @@ def use_invariant_kernels(model: nn.Module) -> nn.Module:
     linears have no invariant CUDA path: a clear error."""
     from model import RMSNorm  # here: model.py imports this module lazily, never the other way round
     from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-    if getattr(getattr(model, "config", None), "num_experts", 0):
+    if model.config.num_experts:
         raise ValueError("batch-invariant mode on CUDA has no kernel for mixture-of-experts layers")
     for parent in list(model.modules()):
         for name, child in parent.named_children():

@@ -866,6 +866,11 @@ def weights_digest(*modules: nn.Module) -> str:
     return h.hexdigest()
 
 
+def batch_invariant(modules) -> bool:
+    """Whether any of the modules is a target in batch-invariant mode (Transformer.invariant_window)."""
+    return any(getattr(m, "invariant_window", None) is not None for m in modules)
+
+
 def cpu_backend(*modules: nn.Module):
     """A torch.compile backend for the modules' graphs on a CPU: Inductor with CPU_INDUCTOR, its
     cache keyed by the modules' weights (weights_digest), and oneDNN disabled while compiling.
@@ -880,7 +885,7 @@ def cpu_backend(*modules: nn.Module):
     from torch._inductor.compile_fx import compile_fx
     tag = weights_digest(*modules)
     settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
-    if any(getattr(m, "invariant_window", None) is not None for m in modules):
+    if batch_invariant(modules):
         missing = [k for k in CPU_INVARIANT if not hasattr(torch._inductor.config, k)]
         if missing:
             raise RuntimeError(f"batch-invariant compiling needs torch._inductor.config.{', '.join(missing)}, which "
@@ -910,7 +915,7 @@ def compile_function(fn, device, modules, *, dynamic: bool = False, options: Opt
             raise RuntimeError(f"compiling for a CPU needs {', '.join(missing)}, which torch {torch.__version__} "
                                f"lacks: upgrade torch (2.13 has them) or run without --compile")
         return frozen(torch.compile(fn, backend=cpu_backend(*modules), fullgraph=True, dynamic=dynamic))
-    if any(getattr(m, "invariant_window", None) is not None for m in modules):
+    if batch_invariant(modules):
         # batch-invariant mode: a fused kernel keeps a 16-bit intermediate in float32 otherwise, and
         # which ops fuse depends on the graph's shapes (the CPU's CPU_INVARIANT, measured there)
         options = dict(options or {}, emulate_precision_casts=True)

@@ -376,6 +376,9 @@ class Compiler:
 
     def __init__(self):
         self.modules = {name: compilable(name) for name in KERNELS}
+        # the sources compiled, read with the modules: cached_compile keys on them (a file edited
+        # during a sweep must not give its results to the new source)
+        self.sources = {name: (ROOT / f"{name}.py").read_bytes() for name in KERNELS}
         self.binders = {}
 
     def _bind(self, launch: Launch, capability: tuple):
@@ -437,7 +440,7 @@ def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_
     digest = hashlib.sha256()
     for part in (compiler.class_key(launch, capability), repr(capability), triton.__version__):
         digest.update(part.encode())
-    digest.update((ROOT / f"{launch.module}.py").read_bytes())
+    digest.update(compiler.sources[launch.module])
     path = Path(cache_dir) / "compiled" / f"{launch.kernel.strip('_')}-{digest.hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -516,23 +519,21 @@ def check(targets, quick: bool = False, log=print, cache_dir: Path = None, jobs:
     # targets with the same shared-memory limit get the same launches; all limits in one pass
     by_limit = gather([TARGETS[name] for name in targets], quick, log=None if quick else log, cache_dir=cache_dir)
     gathered = time.perf_counter() - t0
-    if jobs > 1 and cache_dir is not None and not quick:
-        work = {}
-        for name in targets:
-            capability = TARGETS[name]
-            for record in by_limit[tree_attention.SHARED_MEMORY_PER_BLOCK[capability]]:
-                launch = thawed(record)
-                work.setdefault((compiler.class_key(launch, capability), capability), (launch, capability))
-        compile_ahead(compiler, list(work.values()), cache_dir, jobs, log)
+    groups_of = {}  # target -> {class key -> [(launch, count), ...]}
     for name in targets:
-        capability, t0 = TARGETS[name], time.perf_counter()
-        limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
-        counts = by_limit[limit]
-        groups = {}  # class key -> [(launch, count), ...]
-        for record, k in counts.items():
+        capability = TARGETS[name]
+        groups = groups_of[name] = {}
+        for record, k in by_limit[tree_attention.SHARED_MEMORY_PER_BLOCK[capability]].items():
             launch = thawed(record)
             key = config_key(launch) if quick else compiler.class_key(launch, capability)
             groups.setdefault(key, []).append((launch, k))
+    if jobs > 1 and cache_dir is not None and not quick:
+        compile_ahead(compiler, [(members[0][0], TARGETS[name]) for name, groups in groups_of.items()
+                                 for members in groups.values()], cache_dir, jobs, log)
+    for name in targets:
+        capability, t0 = TARGETS[name], time.perf_counter()
+        limit = tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
+        counts, groups = by_limit[limit], groups_of[name]
         n_launches = sum(counts.values())
         log(f"{name}: {n_launches} launches in {len(groups)} classes (all limits gathered in {gathered:.0f} s)")
         totals = dict(capability=".".join(map(str, capability)), limit=limit, launches=n_launches,
