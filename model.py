@@ -476,35 +476,64 @@ def window_mask(mask, input_pos: Tensor, cache_pos: Tensor, cache_len: int, wind
     return WindowMask(input_pos - window, recent.clamp(0, cache_len - 1), positions >= 0)
 
 
+# The flash-attention kernel of ATen for the CPU gives each query row the same bits whatever rows
+# come with it, as long as every call's row count is a multiple of this: its row blocks are then
+# all full, and its matmuls of one shape (calls with a partial block round their rows differently:
+# measured, torch 2.13, float32 with 1 or 2 rows in the last block, float16 with 2, bf16 with 1).
+# A one-token step pays for the padding: SmolLM2's 3 rows a KV head become 32 (the kernel over
+# 512 slots: 44 us for 3 rows, 80 us for 32), a verify little.
+FLASH_ROWS = 32
+
+
+def _flash_rows(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """ATen's CPU flash-attention kernel over the rows of q [B, KV, M, D] (any number), zero rows
+    padded up to a multiple of FLASH_ROWS; bias [B, 1 or KV, M, S] additive, in q's dtype. Returns
+    the output [B, KV, M, D] and the log-sum-exp of the scaled scores [B, KV, M] (float32), which
+    F.scaled_dot_product_attention does not return."""
+    M = q.size(2)
+    pad = -M % FLASH_ROWS
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        F.pad(q, (0, 0, 0, pad)), k, v, attn_mask=F.pad(bias, (0, 0, 0, pad)), scale=q.size(-1) ** -0.5)
+    return out[:, :, :M], lse[:, :, :M]
+
+
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Tensor:
     """Attention whose every query row is computed bit for bit the same however many rows come
-    together and wherever a tree keeps their keys: the float32 products and sums of each row run
-    over a layout fixed by the row's position alone (every slot of the old part in place, then the
-    W + 1 recent positions in order), as elementwise products reduced by sum, which eager torch and
-    Inductor reduce row by row, never in GEMM blocks whose order depends on the row count (a bf16
-    GEMM over 48 rows already rounds some rows differently from one row: measured, torch 2.13).
-    q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
+    together and wherever a tree keeps their keys, over a layout fixed by the row's position alone,
+    in two parts, each by the CPU flash-attention kernel in calls of whole row blocks (FLASH_ROWS):
+        old     every cache slot below p - W in place: one call for all queries, whose rows are the
+                (query head, query) pairs of each KV head, each masked to its own old_end
+        recent  the W + 1 positions p - W .. p in order: one call with a batch entry per query,
+                over its gathered keys (a tree keeps them wherever it put them)
+    then merged through the two log-sum-exps, elementwise. (The usual attention over all T rows
+    together is not invariant: the kernel's matmuls round by row count, and a tree's keys sit in
+    another order than the committed text's.) q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
     B, H, T, D = q.shape
-    KV, S = k.size(1), k.size(2)
-    if T > 16 and not torch.compiler.is_compiling():  # eager materialises the products: rows 16 at a time
-        parts = [invariant_attention(q[:, :, i:i + 16], k, v, WindowMask(*(t[:, i:i + 16] for t in mask)))
-                 for i in range(0, T, 16)]
-        return torch.cat(parts, dim=2)
-    qf = q.float().view(B, KV, H // KV, T, 1, D)
+    KV, S, W1 = k.size(1), k.size(2), mask.recent_slots.size(-1)
+    G = H // KV
+    neg_inf = float("-inf")
+    hidden = torch.arange(S, device=q.device) >= mask.old_end[:, None, :, None]  # [B, 1, T, S]
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(hidden, neg_inf)
+    bias = bias.expand(B, G, T, S).reshape(B, 1, G * T, S)  # rows (head g, query t) as q's below
+    out_old, lse_old = _flash_rows(q.reshape(B, KV, G * T, D), k, v, bias)
+    # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
+    lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
+    out_old = out_old.view(B, KV, G, T, D)
+
     rows = torch.arange(B, device=q.device)[:, None, None]
-    k_recent = k[rows, :, mask.recent_slots].permute(0, 3, 1, 2, 4).float()  # [B, KV, T, W + 1, D]
-    v_recent = v[rows, :, mask.recent_slots].permute(0, 3, 1, 2, 4).float()
-    old_ok = torch.arange(S, device=q.device) < mask.old_end[..., None]  # [B, T, S]
-    scale = D ** -0.5
-    s_old = ((qf * k.float()[:, :, None, None]).sum(-1) * scale).masked_fill(~old_ok[:, None, None], float("-inf"))
-    s_recent = ((qf * k_recent[:, :, None]).sum(-1) * scale).masked_fill(~mask.recent_ok[:, None, None],
-                                                                         float("-inf"))
-    top = torch.maximum(s_old.amax(-1), s_recent.amax(-1))[..., None]  # finite: a query sees itself
-    e_old, e_recent = torch.exp(s_old - top), torch.exp(s_recent - top)
-    total = e_old.sum(-1) + e_recent.sum(-1)
-    out = (e_old[..., None] * v.float()[:, :, None, None]).sum(-2) + \
-        (e_recent[..., None] * v_recent[:, :, None]).sum(-2)
-    return (out / total[..., None]).to(q.dtype).view(B, H, T, D)
+    k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D)
+    v_recent = v[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D)
+    q_recent = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask.recent_ok, neg_inf)
+    bias = bias.view(B * T, 1, 1, W1).expand(B * T, 1, G, W1)
+    out_recent, lse_recent = _flash_rows(q_recent, k_recent, v_recent, bias)
+    out_recent = out_recent.view(B, T, KV, G, D).permute(0, 2, 3, 1, 4)
+    lse_recent = lse_recent.view(B, T, KV, G).permute(0, 2, 3, 1)
+
+    top = torch.maximum(lse_old, lse_recent)  # finite: a query sees itself
+    w_old, w_recent = torch.exp(lse_old - top)[..., None], torch.exp(lse_recent - top)[..., None]
+    out = (out_old.float() * w_old + out_recent.float() * w_recent) / (w_old + w_recent)
+    return out.to(q.dtype).view(B, H, T, D)
 
 
 class PackedLinear(nn.Module):

@@ -227,6 +227,37 @@ def test_batch_invariant_attention_is_attention(dtype):
     torch.testing.assert_close(cases["tree reversed"].float(), plain_steps.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype):
+    """The window form on its own, eager: for T in 1..64 queries (GQA, two batch rows), each row
+    equals the one-query call's bit for bit, and is the attention over its old slots and its
+    gathered recent ones; a query with no old slot (position < W) attends to its recent part only."""
+    from model import WindowMask, invariant_attention
+    torch.manual_seed(0)
+    B, KV, G, S, D, T, W = 2, 3, 3, 200, 64, 64, 8
+    q = torch.randn(B, T, KV * G, D, dtype=dtype).transpose(1, 2)  # strided as Attention.forward's q
+    k, v = torch.randn(B, KV, S, D, dtype=dtype), torch.randn(B, KV, S, D, dtype=dtype)
+    position = torch.randint(0, S - 20, (B, T))
+    position[0, :3] = torch.tensor([0, 3, W])  # no old slot, no old slot and some recent ones missing, one old slot
+    recent = torch.stack([torch.randperm(S)[:W + 1] for _ in range(B * T)]).view(B, T, W + 1)  # anywhere, as a tree's
+    recent_ok = position[..., None] - W + torch.arange(W + 1) >= 0
+    mask = WindowMask(position - W, recent, recent_ok)
+    one = torch.cat([invariant_attention(q[:, :, t:t + 1], k, v, WindowMask(*(f[:, t:t + 1] for f in mask)))
+                     for t in range(T)], 2)
+    for n in range(1, T + 1):
+        rows = invariant_attention(q[:, :, :n], k, v, WindowMask(*(f[:, :n] for f in mask)))
+        assert torch.equal(rows, one[:, :, :n]), n
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
+    rows = torch.arange(B)[:, None, None]
+    keys = torch.cat([kf[:, :, None].expand(B, -1, T, S, D), kf[rows, :, recent].permute(0, 3, 1, 2, 4)], 3)
+    values = torch.cat([vf[:, :, None].expand(B, -1, T, S, D), vf[rows, :, recent].permute(0, 3, 1, 2, 4)], 3)
+    seen = torch.cat([torch.arange(S) < mask.old_end[..., None], recent_ok], -1)[:, None]  # [B, 1, T, S + W + 1]
+    scores = (q.float()[..., None, :] @ keys.transpose(-1, -2)).squeeze(-2) * D ** -0.5
+    expected = (torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)[..., None, :] @ values).squeeze(-2)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(one.float(), expected, **tol)
+
+
 @pytest.mark.parametrize("name", TINY)
 @torch.no_grad()
 def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
