@@ -5,8 +5,8 @@ token's row of the target's logits must come out bit for bit the same from a one
 and from a verify of T tree nodes, so that greedy speculative output equals plain decoding's in
 bf16 and fp16 too. On a CPU torch's own kernels do that where configured (model.invariant_attention,
 Inductor's C++ GEMM templates). On CUDA they do not: cuBLAS picks a GEMM kernel (tile shape,
-split-K) by the row count, and PyTorch's CUDA reductions (RMSNorm's mean, the sums of
-model.invariant_attention) split a row's reduction differently as the number of rows changes.
+split-K) by the row count, and PyTorch's CUDA reductions (RMSNorm's mean, attention's softmax
+sums) split a row's reduction differently as the number of rows changes.
 The kernels here give every row one launch configuration whatever the row count, so a row's
 reduction order depends on nothing but the row:
 

@@ -245,8 +245,8 @@ def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype)
     one = torch.cat([invariant_attention(q[:, :, t:t + 1], k, v, WindowMask(*(f[:, t:t + 1] for f in mask)))
                      for t in range(T)], 2)
     for n in range(1, T + 1):
-        rows = invariant_attention(q[:, :, :n], k, v, WindowMask(*(f[:, :n] for f in mask)))
-        assert torch.equal(rows, one[:, :, :n]), n
+        together = invariant_attention(q[:, :, :n], k, v, WindowMask(*(f[:, :n] for f in mask)))
+        assert torch.equal(together, one[:, :, :n]), n
     kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
     rows = torch.arange(B)[:, None, None]
     keys = torch.cat([kf[:, :, None].expand(B, -1, T, S, D), kf[rows, :, recent].permute(0, 3, 1, 2, 4)], 3)
@@ -261,9 +261,9 @@ def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype)
 @pytest.mark.parametrize("name", TINY)
 @torch.no_grad()
 def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
-    """In bfloat16, eager: every row of a tree verify (T up to 24 chain tokens among 48 nodes, so
-    the eager path also splits its rows) equals the one-token step bit for bit. Without the mode
-    the spread-out tree differs (the next test)."""
+    """In bfloat16, eager: every row of a tree verify (T up to 24 chain tokens among 48 nodes, more
+    than one 32-row block of the attention's old part) equals the one-token step bit for bit.
+    Without the mode the spread-out tree differs (the next test)."""
     model = make_model(name, max_seq_length=128).to(torch.bfloat16)
     model.invariant_window = 32
     for P, T, region in ((5, 3, 3), (40, 24, 48)):
