@@ -17,6 +17,7 @@ different lengths (batched speculative decoding).
 
 Weights are laid out as in Hugging Face checkpoints: q/k use the rotate-half RoPE convention.
 """
+import functools
 import json
 import math
 import sys
@@ -252,7 +253,10 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         """Allocate the KV cache and the RoPE table once; later calls with the same sizes are free.
-        Every layer's cache is a view of kv_storage (copy_slots moves entries in all of them at once)."""
+        Every layer's cache is a view of kv_storage (copy_slots moves entries in all of them at once).
+        In batch-invariant mode on a CPU the cache holds at least INVARIANT_MIN_SLOTS slots."""
+        if self.invariant_window is not None and self.norm.weight.device.type == "cpu":
+            max_seq_length = max(max_seq_length, INVARIANT_MIN_SLOTS)
         if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
             if not self._caches_are_views():  # .to() or .float() after setup copied each buffer apart
                 for layer, storage in zip(self.layers, self.kv_storage):
@@ -476,35 +480,88 @@ def window_mask(mask, input_pos: Tensor, cache_pos: Tensor, cache_len: int, wind
     return WindowMask(input_pos - window, recent.clamp(0, cache_len - 1), positions >= 0)
 
 
-# The flash-attention kernel of ATen for the CPU gives each query row the same bits whatever rows
-# come with it, as long as every call's row count is a multiple of this: its row blocks are then
-# all full, and its matmuls of one shape (calls with a partial block round their rows differently:
-# measured, torch 2.13, float32 with 1 or 2 rows in the last block, float16 with 2, bf16 with 1).
-# A one-token step pays for the padding: SmolLM2's 3 rows a KV head become 32 (the kernel over
-# 512 slots: 44 us for 3 rows, 80 us for 32), a verify little.
-FLASH_ROWS = 32
+# ATen's flash-attention kernel for the CPU computes a call's query rows in blocks of 32 (64 for
+# calls of 192 rows or more) and gives a row the same bits whatever rows share its block, except
+# where the block's size sends its matmuls down another path. Which sizes do depends on the dtype,
+# the head dimension, the CPU and the torch build (measured, torch 2.13 on AMX: a last block of 1
+# row in bf16, 2 in fp16, 1-2 in float32 with head_dim 64 and 1-5 with 128), so rather than keep a
+# table, flash_rows asks the kernel once per shape which row count to pad a call to.
+FLASH_BLOCK = 32
+# ... and over fewer than 512 keys (one key block, of the cache's own length) it also rounds bf16
+# rows of calls of 64 rows or more apart from a lone block's, in some lengths (measured: 65, 200,
+# 300 apart; 64, 128, 256, 511 alike): no row count would do, so the mode's cache is never shorter.
+INVARIANT_MIN_SLOTS = 512
 
 
-def _flash_rows(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """ATen's CPU flash-attention kernel over the rows of q [B, KV, M, D] (any number), zero rows
-    padded up to a multiple of FLASH_ROWS; bias [B, 1 or KV, M, S] additive, in q's dtype. Returns
-    the output [B, KV, M, D] and the log-sum-exp of the scaled scores [B, KV, M] (float32), which
+def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int) -> int:
+    """_flash_rows_probe's answer. Compiled, dynamo calls this while it traces and keeps the answer
+    as a constant of the graph: speculative.compile_function marks it with
+    torch.compiler.assume_constant_result (marked here, at import, it would import dynamo and
+    Triton with every `import model`: a second more for every script)."""
+    return _flash_rows_probe(dtype, head_dim, keys, rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int) -> int:
+    """The fewest rows >= rows for which a call of ATen's CPU flash-attention kernel over `keys`
+    keys computes every row bit for bit as a lone call of FLASH_BLOCK rows does with the row
+    elsewhere in its block (each block of the call checked against one of its rows in reverse
+    order; output and log-sum-exp; random data of a fixed seed; 2,048 rows or more in all: a path
+    that rounds apart shows in 0.1-20 % of rows, measured). Padding every call to
+    this count makes a row's result independent of how many rows come with it and where."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    g = torch.Generator().manual_seed(0)  # not the global generator: sampling must not see the probe
+    heads = 64  # each head is a block of its own: 64 samples a call
+
+    def call(q, k, v, bias):
+        return op(q, k, v, attn_mask=bias, scale=head_dim ** -0.5)[:2]
+
+    with torch.no_grad():
+        for m in range(rows, rows + 2 * FLASH_BLOCK):
+            n = -(-m // FLASH_BLOCK) * FLASH_BLOCK
+            good = True
+            for _ in range(max(2, -(-2048 // (heads * m)))):
+                q = torch.randn(1, heads, n, head_dim, generator=g).to(dtype)
+                k, v = (torch.randn(1, heads, keys, head_dim, generator=g).to(dtype) for _ in range(2))
+                ends = torch.randint(1, keys + 1, (n, 1), generator=g)  # each row sees its first `end` keys
+                bias = torch.zeros(1, 1, n, keys, dtype=dtype).masked_fill(torch.arange(keys) >= ends, float("-inf"))
+                out, lse = call(q[:, :, :m], k, v, bias[:, :, :m])
+                for b in range(0, m, FLASH_BLOCK):
+                    block = torch.arange(b, b + FLASH_BLOCK).flip(0)
+                    ref_out, ref_lse = (t.flip(2) for t in call(q[:, :, block], k, v, bias[:, :, block]))
+                    r = min(FLASH_BLOCK, m - b)
+                    good &= torch.equal(out[:, :, b:b + r], ref_out[:, :, :r]) and torch.equal(lse[:, :, b:b + r], ref_lse[:, :, :r])
+            if good:
+                return m
+    raise RuntimeError(f"batch-invariant attention: ATen's CPU flash-attention kernel rounds {dtype} rows of head "
+                       f"dim {head_dim} over {keys} keys apart for every row count from {rows} to "
+                       f"{rows + 2 * FLASH_BLOCK - 1} in this torch build: run without --batch_invariant")
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """ATen's CPU flash-attention kernel over the rows of q [B, KV, M, D], with zero rows padded up
+    to flash_rows' count; bias [B, 1 or KV, M, S] additive, in q's dtype. Returns the output
+    [B, KV, M, D] and the log-sum-exp of the scaled scores [B, KV, M] (float32), which
     F.scaled_dot_product_attention does not return."""
-    M = q.size(2)
-    pad = -M % FLASH_ROWS
+    M, D = q.size(2), q.size(3)
+    pad = flash_rows(q.dtype, D, k.size(2), M) - M
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        F.pad(q, (0, 0, 0, pad)), k, v, attn_mask=F.pad(bias, (0, 0, 0, pad)), scale=q.size(-1) ** -0.5)
+        F.pad(q, (0, 0, 0, pad)), k, v, attn_mask=F.pad(bias, (0, 0, 0, pad)), scale=D ** -0.5)
     return out[:, :, :M], lse[:, :, :M]
 
 
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Tensor:
     """Attention whose every query row is computed bit for bit the same however many rows come
     together and wherever a tree keeps their keys, over a layout fixed by the row's position alone,
-    in two parts, each by the CPU flash-attention kernel in calls of whole row blocks (FLASH_ROWS):
+    in two parts, each by ATen's CPU flash-attention kernel:
         old     every cache slot below p - W in place: one call for all queries, whose rows are the
-                (query head, query) pairs of each KV head, each masked to its own old_end
+                (query head, query) pairs of each KV head, each masked to its own old_end, padded
+                to a row count whose blocks the kernel computes alike (flash_rows)
         recent  the W + 1 positions p - W .. p in order: one call with a batch entry per query,
-                over its gathered keys (a tree keeps them wherever it put them)
+                over its gathered keys (a tree keeps them wherever it put them), H // KV rows an
+                entry, padded as above (the same rows for every T, but a block of a few rows can
+                take a path whose bits depend on the rest of the call: float32, compiled, on an
+                AMD EPYC without AMX, measured)
     then merged through the two log-sum-exps, elementwise. (The usual attention over all T rows
     together is not invariant: the kernel's matmuls round by row count, and a tree's keys sit in
     another order than the committed text's.) q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
@@ -515,7 +572,7 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     hidden = torch.arange(S, device=q.device) >= mask.old_end[:, None, :, None]  # [B, 1, T, S]
     bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(hidden, neg_inf)
     bias = bias.expand(B, G, T, S).reshape(B, 1, G * T, S)  # rows (head g, query t) as q's below
-    out_old, lse_old = _flash_rows(q.reshape(B, KV, G * T, D), k, v, bias)
+    out_old, lse_old = _flash(q.reshape(B, KV, G * T, D), k, v, bias)
     # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
     lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
     out_old = out_old.view(B, KV, G, T, D)
@@ -526,7 +583,7 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     q_recent = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
     bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask.recent_ok, neg_inf)
     bias = bias.view(B * T, 1, 1, W1).expand(B * T, 1, G, W1)
-    out_recent, lse_recent = _flash_rows(q_recent, k_recent, v_recent, bias)
+    out_recent, lse_recent = _flash(q_recent, k_recent, v_recent, bias)
     out_recent = out_recent.view(B, T, KV, G, D).permute(0, 2, 3, 1, 4)
     lse_recent = lse_recent.view(B, T, KV, G).permute(0, 2, 3, 1)
 

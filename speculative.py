@@ -29,7 +29,7 @@ from torch import Tensor
 
 import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation
-from model import Transformer, TreeMask, copy_slots
+from model import Transformer, TreeMask, copy_slots, flash_rows
 from sampling import cut_at_stop, is_stop, logits_to_probs, sample, sample_from
 from tree import Tree, graft_chain, tree_structure
 
@@ -907,6 +907,8 @@ def compile_function(fn, device, modules, *, dynamic: bool = False, options: Opt
     """torch.compile of fn (fullgraph: a graph break would split it around a host sync) for device:
     on a CPU through cpu_backend(*modules), elsewhere Inductor with options. backend: a backend of
     torch.compile's to use instead (the tests pass one that inspects the graph)."""
+    # batch-invariant attention asks ATen's kernel a question while dynamo traces (model.flash_rows)
+    torch.compiler.assume_constant_result(flash_rows)
     if backend != "inductor":
         return torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
     if str(device) == "cpu":

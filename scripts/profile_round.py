@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
+from benchmark import hardware_name  # noqa: E402  (scripts/ is on the path: this file's folder)
 from checkpoint import load_draft, load_model  # noqa: E402
 from model import pack_linears  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -242,7 +243,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     prompt_ids_cache["probe"] = prompt_ids(tokenizer, 0)
     report = dict(command="python scripts/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
+                  hardware=hardware_name("cpu"), torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
                   batch_invariant=args.batch_invariant,
                   draft_dtype=args.draft_dtype or args.dtype,
                   speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
@@ -265,6 +266,7 @@ def markdown(report) -> str:
     lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} (draft "
              f"{report.get('draft_dtype', report['dtype'])}, {report['threads']} threads, "
              f"torch {report['torch']}{', batch-invariant target' if report.get('batch_invariant') else ''})", "", f"- command: `{report['command']}`",
+             f"- hardware: {report.get('hardware', 'not recorded')}",
              f"- tree: top_k {report['tree']['top_k']}, depth {report['tree']['depth']}, "
              f"{report['tree']['tokens']} tokens", "",
              f"Eager: a vanilla step {step:.1f} ms; a round {e['round_ms']:.1f} ms = {e['round_ms'] / step:.2f} steps, "
