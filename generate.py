@@ -26,7 +26,8 @@ from torch import Tensor
 import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
-from model import EAGER_INVARIANT_ROWS, INVARIANT_MIN_SLOTS, INVARIANT_WINDOW, Transformer, pack_linears, set_attention_backend
+from model import (INVARIANT_MIN_SLOTS, INVARIANT_WINDOW, Transformer, eager_invariant_rows, pack_linears,
+                   set_attention_backend)
 from quantize import mode_from_path, set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
@@ -151,7 +152,9 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
     was measured to hold (the target's rows of a verify equal one-token steps', bit for bit, on this
     project's 2-core AMX CPU, torch 2.13: tests/test_model.py, tests/test_quantize.py):
         compiled  bfloat16, float16, float32 (the C++ GEMM templates), int8/int4 files in bfloat16
-        eager     bfloat16 (oneDNN) and int8/int4 files in bfloat16 (torch's int8/int4 CPU kernels);
+        eager     bfloat16 (oneDNN; trees of at most model.eager_invariant_rows nodes, which the CPU
+                  decides: 32 on the AMX Xeon, 1 on an AMD EPYC) and int8/int4 files in bfloat16
+                  (torch's int8/int4 CPU kernels);
                   (eager float32 and float16 GEMMs gave every row of 8- and 30-row verifies apart)
     On CUDA the target runs on invariant_kernels.py's Triton kernels, in every dtype, eager or
     compiled (proven in Triton's interpreter and compiled ahead of time: no GPU was lent to measure
@@ -432,10 +435,12 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
 def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: bool):
     """make_decoder's decode function for a Speculator: caches for max_seq_length tokens plus the
     last round's overshoot, compiled if asked."""
-    if spec.target.invariant_window is not None and not args.compile and spec.n_nodes > EAGER_INVARIANT_ROWS:
-        raise ValueError(f"--batch_invariant without --compile holds for trees of up to {EAGER_INVARIANT_ROWS} "
-                         f"nodes (tree tokens + lookup), this one has {spec.n_nodes}: compile, or pass a smaller "
-                         f"--tree_tokens / --lookup")
+    if spec.target.invariant_window is not None and not args.compile:
+        rows = eager_invariant_rows(spec.target)  # asked of this CPU's GEMMs (model.py)
+        if spec.n_nodes > rows:
+            raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} nodes on this "
+                             f"CPU (tree tokens + lookup), this one has {spec.n_nodes}: compile, or pass a smaller "
+                             f"--tree_tokens / --lookup")
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
     if args.compile:
         set_tensor_parallel_flags()

@@ -205,10 +205,37 @@ def copy_slots(model: "Transformer", src: Tensor, dst: Tensor):
 # with the compiled CPU defaults, 16 with EAGLE-3's on a GPU); each decode step gathers this many
 # keys more than it would read otherwise.
 INVARIANT_WINDOW = 32
-# Eager, the mode holds for verifies of up to this many tree nodes: torch 2.13's eager CPU GEMMs
-# (oneDNN, bf16) give each row the same bits for 1 to 32 rows, not for 48 or 64 (measured on
-# SmolLM2's shapes); compiled, the C++ GEMM templates do for 1 to 64 (tests/test_model.py).
-EAGER_INVARIANT_ROWS = 32
+# Eager, the mode holds for verifies of at most eager_invariant_rows(model) tree nodes: the most
+# rows for which torch's eager CPU GEMMs give each row a one-row call's bits, which depends on
+# the CPU and the shape (torch 2.13, bf16, SmolLM2's shapes: 32 on a Xeon with AMX, not 48 or 64;
+# 1 on an AMD EPYC without AMX, where the 1536 -> 576 down projection rounds ~10 % of the rows of
+# any call of 2 or more apart from one-row calls); compiled, the C++ GEMM templates do for 1 to 64 everywhere measured (tests/test_model.py).
+EAGER_ROWS_PROBED = 64
+
+
+def eager_invariant_rows(model: nn.Module) -> int:
+    """The most rows (up to EAGER_ROWS_PROBED) that every floating-point nn.Linear of model computes,
+    eagerly, with each row's bits those of a one-row call: _eager_linear_rows over its shapes."""
+    shapes = {(m.weight.dtype, m.out_features, m.in_features) for m in model.modules()
+              if type(m) is nn.Linear and m.weight.is_floating_point() and m.weight.device.type == "cpu"}
+    return min([_eager_linear_rows(*shape) for shape in shapes], default=EAGER_ROWS_PROBED)
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int) -> int:
+    """The largest m <= EAGER_ROWS_PROBED such that F.linear in calls of 1, 2, ..., m rows gives
+    every row the bits it gets alone. Each count is tried on all of 64 or more rows of random data
+    (a fixed seed, its own generator; at least 65,536 outputs): a path that rounds apart may touch
+    only a few rows in ten (measured)."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    x = torch.randn(max(EAGER_ROWS_PROBED, -(-65536 // out_features)), in_features, generator=g).to(dtype)
+    with torch.no_grad():
+        alone = torch.cat([F.linear(row, weight) for row in x.split(1)])
+        for m in range(2, EAGER_ROWS_PROBED + 1):
+            if not torch.equal(torch.cat([F.linear(rows, weight) for rows in x.split(m)]), alone):
+                return m - 1
+    return EAGER_ROWS_PROBED
 
 
 class WindowMask(NamedTuple):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import invariant_cases
-from model import EAGER_INVARIANT_ROWS, ModelArgs, Transformer, TreeMask, copy_slots, transformer_configs
+from model import ModelArgs, Transformer, TreeMask, copy_slots, transformer_configs
 
 TINY = ["tiny-llama", "tiny-llama-3.1", "tiny-qwen2"]
 
@@ -276,6 +276,23 @@ def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
 
 
 @torch.no_grad()
+def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
+    """model.eager_invariant_rows: every row count up to its answer gives each row of each of the
+    model's linears the bits of a one-row call (checked here on other data than the probe's), and
+    where it is below EAGER_ROWS_PROBED one more row does not, for some linear."""
+    import model as m
+    net = smollm2_two_layers_bf16()
+    rows = m.eager_invariant_rows(net)
+    linears = [mod for mod in net.modules() if type(mod) is torch.nn.Linear]
+    x = torch.randn(rows + 1, net.config.intermediate_size, generator=torch.Generator().manual_seed(5))
+    for lin in linears:
+        xs = x[:, :lin.in_features].to(torch.bfloat16)
+        alone = torch.cat([lin(r) for r in xs.split(1)])
+        assert all(torch.equal(lin(xs[:n]), alone[:n]) for n in range(1, rows + 1)), lin
+    if rows < m.EAGER_ROWS_PROBED:
+        assert any(m._eager_linear_rows(lin.weight.dtype, lin.out_features, lin.in_features) == rows for lin in linears)
+
+
 def smollm2_two_layers_bf16():
     torch.manual_seed(0)
     config = ModelArgs(**{**transformer_configs["SmolLM2-135M"], "n_layer": 2})
@@ -285,14 +302,17 @@ def smollm2_two_layers_bf16():
 
 
 def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
-    """In the mode, eager, a verify of up to EAGER_INVARIANT_ROWS nodes gives every row the bits
-    of one-token steps, however the tree lays out its keys (compiled, 64 in the next tests).
+    """In the mode, eager, a verify of as many nodes as model.eager_invariant_rows finds this CPU's
+    GEMMs invariant for (up to 32 here) gives every row the bits of one-token steps, however the
+    tree lays out its keys (compiled, 64 in the next tests).
     Without the mode a 48-node verify's rows differed from the steps' on the AMX Xeon; on an AMD
     EPYC (AVX-512, no AMX) torch 2.13's eager bf16 GEMMs gave equal rows for 12-128 nodes, so that
     side depends on the CPU and is not asserted."""
     model = smollm2_two_layers_bf16()
     model.invariant_window = 32
-    steps, cases = invariant_cases(model, torch.bfloat16, 100, 12, EAGER_INVARIANT_ROWS)
+    from model import eager_invariant_rows
+    region = min(32, eager_invariant_rows(model))
+    steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
     assert all(torch.equal(logits, steps) for logits in cases.values())
 
 
