@@ -527,7 +527,7 @@ def check(targets, quick: bool = False, log=print, cache_dir: Path = None, jobs:
             launch = thawed(record)
             key = config_key(launch) if quick else compiler.class_key(launch, capability)
             groups.setdefault(key, []).append((launch, k))
-    if jobs > 1 and cache_dir is not None and not quick:
+    if jobs > 1 and cache_dir is not None:
         compile_ahead(compiler, [(members[0][0], TARGETS[name]) for name, groups in groups_of.items()
                                  for members in groups.values()], cache_dir, jobs, log)
     for name in targets:
