@@ -26,8 +26,7 @@ from torch import Tensor
 import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
-from model import (INVARIANT_MIN_SLOTS, INVARIANT_WINDOW, Transformer, eager_invariant_rows, pack_linears,
-                   set_attention_backend)
+from model import INVARIANT_WINDOW, Transformer, eager_invariant_rows, pack_linears, set_attention_backend
 from quantize import mode_from_path, set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
@@ -183,8 +182,8 @@ def set_batch_invariant(model: Transformer) -> Transformer:
     kernel for every row count (quantize.set_row_invariant), and on CUDA its linears and norms on
     invariant_kernels.py's kernels."""
     model.invariant_window = INVARIANT_WINDOW
-    if 0 < model.max_seq_length < INVARIANT_MIN_SLOTS and model.norm.weight.device.type == "cpu":
-        model.setup_caches(model.max_batch_size, model.max_seq_length)  # grows it to INVARIANT_MIN_SLOTS
+    if model.max_seq_length > 0:  # a cache set up before: setup_caches grows it as the mode needs
+        model.setup_caches(model.max_batch_size, model.max_seq_length)
     set_row_invariant(model)
     if model.tok_embeddings.weight.is_cuda:
         from invariant_kernels import use_invariant_kernels  # needs Triton, as CUDA runs do anyway

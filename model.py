@@ -209,7 +209,8 @@ INVARIANT_WINDOW = 32
 # rows for which torch's eager CPU GEMMs give each row a one-row call's bits, which depends on
 # the CPU and the shape (torch 2.13, bf16, SmolLM2's shapes: 32 on a Xeon with AMX, not 48 or 64;
 # 1 on an AMD EPYC without AMX, where the 1536 -> 576 down projection rounds ~10 % of the rows of
-# any call of 2 or more apart from one-row calls); compiled, the C++ GEMM templates do for 1 to 64 everywhere measured (tests/test_model.py).
+# any call of 2 or more apart from one-row calls); compiled, the C++ GEMM templates do for 1 to 64
+# everywhere measured (tests/test_model.py).
 EAGER_ROWS_PROBED = 64
 
 

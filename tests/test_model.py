@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import invariant_cases
-from model import ModelArgs, Transformer, TreeMask, copy_slots, transformer_configs
+from model import ModelArgs, Transformer, TreeMask, copy_slots, eager_invariant_rows, transformer_configs
 
 TINY = ["tiny-llama", "tiny-llama-3.1", "tiny-qwen2"]
 
@@ -310,7 +310,6 @@ def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
     side depends on the CPU and is not asserted."""
     model = smollm2_two_layers_bf16()
     model.invariant_window = 32
-    from model import eager_invariant_rows
     region = min(32, eager_invariant_rows(model))
     steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
     assert all(torch.equal(logits, steps) for logits in cases.values())
