@@ -462,7 +462,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
             k, v = torch.cat([k[:, :, :P], k[:, :, S - R:]], dim=2), torch.cat([v[:, :, :P], v[:, :, S - R:]], dim=2)
             S = P + R
         mask = tree_attention_mask(mask.visible, mask.prefix_len, S)
-    if q.device.type == "cpu" and q.dtype != torch.float32 and not torch.compiler.is_compiling():
+    if (q.device.type == "cpu" and q.dtype != torch.float32 and not torch.compiler.is_compiling()
+            and q.numel() // q.size(-1) * k.size(2) < MATMUL_ATTENTION_MAX_SCORES):
         return _matmul_attention(q, k, v, mask)
     # Compiled, SDPA stays ATen's flash-attention kernel for the CPU. The matmul form would not:
     # max-autotune gives its q @ k^T to the AMX GEMM template, which then repacks the whole K
@@ -470,10 +471,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
 
 
+# Eager bf16/fp16 attention on a CPU: up to this many scores (B * H * T * S) the matmul form below
+# is the faster one (one-token steps over long caches, verifies); past it, a prefill of hundreds of
+# rows or a batch of them (EAGLE-3's teacher-forced features: 16 x 512 rows), SDPA's flash kernel
+# is, because the matmul form writes and rereads every score in float32 (measured, torch 2.13, AMD
+# EPYC: 16 x 300 rows 110 vs 38 ms a layer, 256 rows over 1,024 keys 18 vs 6.5 ms; alike near here).
+MATMUL_ATTENTION_MAX_SCORES = 2 ** 21
+
+
 def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Attention as two matmuls and a float32 softmax, for bf16/fp16 in eager mode on CPU, where SDPA
-    with a mask is 5-15x slower (torch 2.13, AVX512). The H // KV query heads that share a KV head are stacked
-    as rows of one matmul, so K/V are not repeated."""
+    with a mask is up to 3x slower for few query rows (torch 2.13, AVX512: a step over 1,024 keys). The
+    H // KV query heads that share a KV head are stacked as rows of one matmul, so K/V are not repeated."""
     B, H, T, D = q.shape
     KV = k.size(1)
     scores = (q.reshape(B, KV, H // KV * T, D) @ k.transpose(-1, -2)).float() * D ** -0.5

@@ -128,14 +128,17 @@ def test_forward_without_caches_is_a_clear_error():
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
 
 
-def test_cpu_half_precision_attention_path_equals_sdpa():
-    """bf16/fp16 attention on CPU runs as plain matmuls (SDPA is slow there): same result."""
+@pytest.mark.parametrize("T, S", [(5, 30), (256, 1024)])
+def test_cpu_half_precision_attention_path_equals_sdpa(T, S):
+    """bf16/fp16 attention on CPU runs as plain matmuls up to MATMUL_ATTENTION_MAX_SCORES scores
+    (SDPA is slow there for few rows), as SDPA past it: the same result either way."""
     import torch.nn.functional as F
-    from model import _matmul_attention, attention
+    from model import MATMUL_ATTENTION_MAX_SCORES, _matmul_attention, attention
 
+    assert (2 * 6 * T * S < MATMUL_ATTENTION_MAX_SCORES) == (T == 5)  # one case on each side
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 6, 5, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
-    mask = torch.rand(2, 5, 30) > 0.3
+    q, k, v = torch.randn(2, 6, T, 16), torch.randn(2, 2, S, 16), torch.randn(2, 2, S, 16)
+    mask = torch.rand(2, T, S) > 0.3
     mask[..., 0] = True  # every query sees something
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
     torch.testing.assert_close(_matmul_attention(q, k, v, mask), reference, atol=1e-5, rtol=1e-5)
