@@ -1138,7 +1138,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.checkpoint_path.is_file():
         p.error(f"checkpoint not found: {args.checkpoint_path}")
-    if (args.out_dir / "draft.safetensors").exists() and not args.force:
+    if (args.out_dir / "draft.safetensors").exists() and not args.force and not args.data_only:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
     args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
     args.data_dir = args.data_dir or args.work_dir / "conversations"

@@ -444,3 +444,18 @@ def test_prompt_stage_resumes_where_it_stopped(tiny_hf_checkpoint, tmp_path, mon
     monkeypatch.setattr(te, "generate_batch", real)
     assert te.make_prompts(target, tokenizer, preset, tmp_path / "resumed.json", seed=3) == whole
     assert not (tmp_path / "resumed.partial.pt").exists()
+
+
+def test_an_existing_head_is_kept_unless_forced_but_data_only_may_write_beside_it(tmp_path, capsys):
+    """A head in OUT_DIR is never replaced silently; --data_only writes conversation shards only,
+    so it runs beside a shipped head (how a later session grows the data without --force)."""
+    ckpt, out = tmp_path / "model.pth", tmp_path / "head"
+    ckpt.touch()
+    out.mkdir()
+    (out / "draft.safetensors").touch()
+    argv = ["--arch", "eagle3", "--checkpoint_path", str(ckpt), "--out_dir", str(out)]
+    with pytest.raises(SystemExit):
+        te.parse_args(argv)
+    assert "already holds a head; pass --force" in capsys.readouterr().err
+    args, _ = te.parse_args(argv + ["--data_only"])
+    assert args.data_only and args.out_dir == out
