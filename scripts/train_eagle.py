@@ -52,7 +52,7 @@ import random
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -935,9 +935,15 @@ def setup_for_training(draft, max_len: int):
     draft.setup_caches(1, max_len)
 
 
-def make_draft(target, args, vocab=None, head_weight=None):
-    """A fresh head: EAGLE-3 with the draft vocabulary `vocab` (warm-started from the target's LM
-    head weight unless --no-warm_start), or EAGLE-1/2."""
+def make_draft(target, args, vocab=None, head_weight=None, init=None):
+    """The head training starts from: a copy of `init` (a trained head, --init_from), or a fresh
+    one: EAGLE-3 with the draft vocabulary `vocab` (warm-started from the target's LM head weight
+    unless --no-warm_start), or EAGLE-1/2."""
+    if init is not None:
+        draft = copy.deepcopy(init)
+        for p in draft.parameters():
+            p.requires_grad_(True)
+        return draft
     if args.arch == "eagle3":
         draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
         draft.vocab.copy_(vocab)
@@ -955,7 +961,7 @@ def save_state(path: Path, state: dict):
 
 
 def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None, on_eval=None, baseline_tau=None,
-          head_weight=None):
+          head_weight=None, init=None):
     """The training loop of both architectures: AdamW, warm-up then cosine, clipping by value,
     bf16 autocast. Validation (and tau on tau_prompts) after every epoch and every eval_every
     steps; the state is saved every save_every steps, at every validation and when max_steps is
@@ -963,12 +969,13 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
     the random state saved at the epoch's start). on_eval(draft, state, ship): called after every
     validation; ship is True when the head should be written out: its tau beats the best so far
     and baseline_tau (the head already shipped), or it is the first validation and there is no
-    baseline. head_weight: the target's LM head weight, when target.output is packed. Returns
+    baseline. head_weight: the target's LM head weight, when target.output is packed. init: the
+    trained head to start from (--init_from; a fresh optimizer and schedule). Returns
     (draft, history, state)."""
     device = target.norm.weight.device
     torch.manual_seed(args.seed)
     eagle3 = args.arch == "eagle3"
-    draft = make_draft(target, args, vocab, head_weight).to(device).train()
+    draft = make_draft(target, args, vocab, head_weight, init).to(device).train()
     if eagle3:
         draft_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)  # target id -> draft index
         draft_index[vocab] = torch.arange(len(vocab))
@@ -1125,6 +1132,10 @@ def parse_args(argv=None):
                    help="a bias on fc (EAGLE's LLaMA-2/Vicuna heads have one, LLaMA-3 heads not)")
     p.add_argument("--warm_start", action=argparse.BooleanOptionalAction, default=True,
                    help="eagle3: start the draft's LM head and final norm from the target's")
+    p.add_argument("--init_from", type=Path, default=None,
+                   help="start from this trained head (a folder with draft.safetensors, e.g. OUT_DIR itself) "
+                        "instead of a fresh one, with a fresh optimizer and schedule: how a head goes on "
+                        "learning from more data. eagle3: its draft vocabulary is kept")
     p.add_argument("--tau_prompts", type=int, default=6, help="validation prompts decoded for tau at each validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab_report", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
@@ -1146,6 +1157,8 @@ def parse_args(argv=None):
     if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
         p.error(f"{args.work_dir} holds a training state: pass --resume to continue it, or delete "
                 f"{args.work_dir / 'train_state.pt'} to start over")
+    if args.init_from is not None and not (args.init_from / "draft.safetensors").is_file():
+        p.error(f"--init_from {args.init_from}: no draft.safetensors there")
     preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     preset = Preset(**{**asdict(preset), **overrides})
@@ -1154,10 +1167,11 @@ def parse_args(argv=None):
     return args, preset
 
 
-def eagle3_data(target, tokenizer, preset: Preset, args):
+def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     """Stages 1-2 of EAGLE-3: shards up to n_shards, their features, the training records, the draft
-    vocabulary and what the training record says about them. The shards a training state was
-    started on are kept when resuming (a later session may have written more)."""
+    vocabulary (chosen from the data, or `vocab`: the one of the head training starts from) and
+    what the training record says about them. The shards a training state was started on are kept
+    when resuming (a later session may have written more)."""
     layer_ids = eagle3_layer_ids(target.config.n_layer)
     make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
     used = args.work_dir / "train_data.json"
@@ -1182,9 +1196,12 @@ def eagle3_data(target, tokenizer, preset: Preset, args):
             "two_turn_conversations": sum(r["turns"] == 2 for r in train),
             "draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
             "coverage_of_val_argmax": coverage}
+    if vocab is not None:
+        info["vocab_from"] = str(args.init_from)
+        info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(data["val"], vocab, V)
     used.parent.mkdir(parents=True, exist_ok=True)
     used.write_text(json.dumps({"shards": shards}))
-    return data, choose_vocab(counts, preset.draft_vocab_size), info
+    return data, choose_vocab(counts, preset.draft_vocab_size) if vocab is None else vocab, info
 
 
 def main(argv=None):
@@ -1202,11 +1219,28 @@ def main(argv=None):
         # (a no-op elsewhere). EAGLE-3 training needs no gradient through the target's linears.
         pack_linears(target)
 
+    init, init_record = None, None
+    if args.init_from is not None and not args.data_only:
+        init = load_draft(args.init_from, target.config, args.device, torch.float32)
+        if isinstance(init, Eagle3Draft) != eagle3:
+            kind = "an EAGLE-3" if isinstance(init, Eagle3Draft) else "an EAGLE-1/2"
+            raise SystemExit(f"--init_from {args.init_from} holds {kind} head, not one for --arch {args.arch}")
+        if eagle3 and args.draft_vocab_size not in (None, init.draft_vocab_size):
+            raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens, not "
+                             f"--draft_vocab_size {args.draft_vocab_size}")
+        if eagle3:
+            preset = replace(preset, draft_vocab_size=init.draft_vocab_size)
+        init_record = {"dir": str(args.init_from)}
+        if (args.init_from / "training.json").is_file():  # its own lineage: what it had learned from
+            before = json.loads((args.init_from / "training.json").read_text())
+            init_record.update({k: before.get(k) for k in ("command", "steps", "shipped_step", "init_from")})
+            init_record["shards"] = before.get("data", {}).get("shards")
     if eagle3:
         if args.data_only:
             make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
             return
-        data, vocab, info_data = eagle3_data(target, tokenizer, preset, args)
+        init_vocab = None if init is None else init.vocab.cpu()
+        data, vocab, info_data = eagle3_data(target, tokenizer, preset, args, init_vocab)
         tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     else:
         prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
@@ -1240,7 +1274,8 @@ def main(argv=None):
     def record(st):
         curve = [sum(st["losses"][i:i + 25]) / len(st["losses"][i:i + 25]) for i in range(0, len(st["losses"]), 25)]
         return {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
-                "warm_start": args.warm_start if eagle3 else None, "target": str(args.checkpoint_path),
+                "warm_start": args.warm_start if eagle3 and init is None else None, "init_from": init_record,
+                "target": str(args.checkpoint_path),
                 "device": args.device, "dtype": args.dtype, "hardware": platform.processor() or platform.machine(),
                 "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "data": info_data,
                 "steps": st["step"], "shipped_step": st["shipped_step"], "baseline_tau": st["baseline_tau"],
@@ -1256,7 +1291,7 @@ def main(argv=None):
                   file=sys.stderr, flush=True)
 
     draft, history, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
-                               baseline_tau, head_weight)
+                               baseline_tau, head_weight, init)
     (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
     if not eagle3:
         save_draft(draft, args.out_dir, dtype=torch.bfloat16)
