@@ -1225,10 +1225,10 @@ def main(argv=None):
         if isinstance(init, Eagle3Draft) != eagle3:
             kind = "an EAGLE-3" if isinstance(init, Eagle3Draft) else "an EAGLE-1/2"
             raise SystemExit(f"--init_from {args.init_from} holds {kind} head, not one for --arch {args.arch}")
-        if eagle3 and args.draft_vocab_size not in (None, init.draft_vocab_size):
-            raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens, not "
-                             f"--draft_vocab_size {args.draft_vocab_size}")
         if eagle3:
+            if args.draft_vocab_size not in (None, init.draft_vocab_size):
+                raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens, not "
+                                 f"--draft_vocab_size {args.draft_vocab_size}")
             preset = replace(preset, draft_vocab_size=init.draft_vocab_size)
         init_record = {"dir": str(args.init_from)}
         if (args.init_from / "training.json").is_file():  # its own lineage: what it had learned from
