@@ -18,7 +18,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -375,8 +375,39 @@ def probe_prompts(tokenizer, chat: bool = True) -> list:
     return [tokenizer.encode(text) for text in PROBE_TEXTS]
 
 
+class Forwards(NamedTuple):
+    """What the target's forwards after the prefill emitted for one speculative answer: per
+    forward, its tokens (a round's accepted ones plus the bonus, or 1 for a plain step), and how
+    many forwards were plain steps. --adaptive takes plain steps where rounds do not pay on this
+    machine; counted as rounds of one token they would hide what the head accepts."""
+    emitted: list
+    plain_steps: int = 0
+
+    def __add__(self, other: "Forwards") -> "Forwards":
+        return Forwards(self.emitted + other.emitted, self.plain_steps + other.plain_steps)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.emitted) - self.plain_steps
+
+    @property
+    def tau(self) -> Optional[float]:
+        """Tokens per speculative round, bonus included (each plain step emitted exactly 1); None
+        where every forward was a plain step."""
+        return (sum(self.emitted) - self.plain_steps) / self.rounds if self.rounds else None
+
+    def describe(self) -> str:
+        """'tau 2.31 over 20 rounds', plus the plain steps if there were any."""
+        text = f"tau {self.tau:.2f} over {self.rounds} rounds" if self.rounds else "no speculative round"
+        if self.plain_steps:
+            text += (f" and {self.plain_steps} plain steps ({self.plain_steps / len(self.emitted):.0%} of the "
+                     f"forwards: --adaptive found rounds slower than plain steps there; "
+                     f"{sum(self.emitted) / len(self.emitted):.2f} tokens per forward overall)")
+        return text
+
+
 def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes=None):
-    """A function prompt_ids, max_new_tokens, callback -> (new ids, tokens per round or None)
+    """A function prompt_ids, max_new_tokens, callback -> (new ids, Forwards or None)
     for the decoding method the command line asks for, compiled if asked. Caches are allocated
     here, once, for prompt + new tokens up to max_seq_length, so that no later call changes a
     compiled shape. probes: the prompts (lists of ids) --tree_tokens auto measures on; when it picks no
@@ -448,7 +479,7 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
     def decode(prompt_ids, max_new_tokens, callback=None):
         prompt = torch.tensor([prompt_ids], device=args.device)
         ids, per_round = speculative_generate(spec, prompt, max_new_tokens, callback=callback, adaptive=adaptive)
-        return ids[0], per_round[0]
+        return ids[0], Forwards(per_round[0], spec.plain_steps[0])
     return decode
 
 
@@ -498,7 +529,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
     bytes_per_token = model_bytes_per_token(model)
-    samples, per_round = [], []
+    samples, forwards = [], Forwards([])
     # With --compile the first run compiles; it is a warm-up and not reported.
     for i in range(-1 if args.compile else 0, args.num_samples):
         device_sync(device)
@@ -515,9 +546,9 @@ def main(argv=None):
         print(samples[-1]["text"], flush=True)
         line = f"\nSample {i}: {len(ids)} tokens in {seconds:.2f} s, {tok_s:.2f} tok/s"
         if rounds is not None:
-            per_round += rounds
-            samples[-1].update(rounds=len(rounds), mean_accepted=sum(rounds) / len(rounds))
-            line += f", {len(rounds)} rounds, {sum(rounds) / len(rounds):.2f} tokens per round"
+            forwards += rounds
+            samples[-1].update(rounds=rounds.rounds, mean_accepted=rounds.tau, plain_steps=rounds.plain_steps)
+            line += f", {rounds.describe()}"
         else:
             line += f", {bytes_per_token * tok_s / 1e9:.2f} GB/s"
         print(line, file=sys.stderr)
@@ -534,12 +565,14 @@ def main(argv=None):
               "tokens_per_s": mean_tok_s, "tensor_parallel": shard.world_size if shard else 1,
               "weight_bytes_per_rank": tp.weight_bytes(model)}
     print(f"Average tokens/s: {mean_tok_s:.2f}", file=sys.stderr)
-    if per_round:
-        # tau: tokens per target forward (each round is one verify forward), bonus token included
-        report.update(mean_accepted=sum(per_round) / len(per_round), rounds=len(per_round),
-                      accepted_histogram={n: per_round.count(n) for n in range(1, max(per_round) + 1)})
-        print(f"Mean accepted tokens per round (tau): {report['mean_accepted']:.2f} over {len(per_round)} rounds",
-              file=sys.stderr)
+    if forwards.emitted:
+        # tau: tokens per speculative round (each round is one verify forward), bonus token included;
+        # --adaptive's plain steps are counted apart
+        histogram = {n: forwards.emitted.count(n) for n in range(1, max(forwards.emitted) + 1)}
+        histogram[1] -= forwards.plain_steps  # rounds that accepted no guess
+        report.update(mean_accepted=forwards.tau, rounds=forwards.rounds, plain_steps=forwards.plain_steps,
+                      accepted_histogram=histogram)
+        print(f"Speculative rounds: {forwards.describe()}", file=sys.stderr)
     else:
         report["bandwidth_gb_s"] = bytes_per_token * mean_tok_s / 1e9
         print(f"Bandwidth achieved: {report['bandwidth_gb_s']:.2f} GB/s "
@@ -561,7 +594,7 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
                          max_seq_length)
     speculative = make_decoder(args, model, tokenizer.stop_ids, max_seq_length, probe_prompts(tokenizer, args.chat))
     method = args.speculate  # "none" when --tree_tokens auto found no tree worth it
-    runs, compile_s = {}, {}
+    runs, compile_s, forwards = {}, {}, {}
     for name, decode in (("plain", plain), ("speculative", speculative)):
         if args.compile:  # compilation (or loading it from the cache) and warm-up, timed apart
             t = time.perf_counter()
@@ -579,7 +612,10 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
         device_sync(args.device)
         seconds = time.perf_counter() - t
         runs[name] = dict(token_ids=ids, new_tokens=len(ids), seconds=seconds, tokens_per_s=len(ids) / seconds,
-                          mean_accepted=sum(rounds) / len(rounds) if rounds else 1.0)
+                          mean_accepted=1.0)  # plain decoding: one token per forward
+        if rounds is not None:
+            runs[name].update(mean_accepted=rounds.tau, rounds=rounds.rounds, plain_steps=rounds.plain_steps)
+        forwards[name] = rounds
     print("\n", file=sys.stderr)
     setting = f"{args.dtype}, {'compiled' if args.compile else 'eager'}"
     if args.batch_invariant:
@@ -593,7 +629,8 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
     print(f"plain decoding ({setting}):".ljust(44) + f"{p['new_tokens']:4d} tokens in {p['seconds']:6.2f} s = "
           f"{p['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
     print(f"{method} ({setting}{shape}):".ljust(44) + f"{s['new_tokens']:4d} tokens in {s['seconds']:6.2f} s = "
-          f"{s['tokens_per_s']:7.2f} tok/s, tau {s['mean_accepted']:.2f}", file=sys.stderr)
+          f"{s['tokens_per_s']:7.2f} tok/s, "
+          + (forwards["speculative"].describe() if forwards["speculative"] is not None else "tau 1.00"), file=sys.stderr)
     speedup = s["tokens_per_s"] / p["tokens_per_s"]
     identical = p["token_ids"] == s["token_ids"]
     if args.temperature == 0:

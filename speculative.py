@@ -418,12 +418,15 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
     round or plain burst: to stop, stream, count and decide.
 
     adaptive: switch between rounds and plain steps (spec.plain_step, spec.flush) by the running
-    estimates above. force_modes: an iterator of "round" / "plain" that decides instead (tests)."""
+    estimates above. force_modes: an iterator of "round" / "plain" that decides instead (tests).
+    Afterwards spec.plain_steps holds, per row, how many of its forwards were plain steps (each
+    one 1 in its list): the head's acceptance is over the others only."""
     spec.prefill(prompt, max_new_tokens)
     round_fn = round_fn or spec.round
     B = prompt.size(0)
     n_out, done = [1] * B, spec.done.tolist()
     emitted = [[] for _ in range(B)]
+    plain_steps = [0] * B
     pace = getattr(spec, "pace", Pace())._replace(tokens=None)
     cu_count, plain_run = 1, 0
     if callback is not None:
@@ -454,7 +457,11 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
                 callback(torch.tensor([tok]))
         active = [b for b in range(B) if not done[b]]
         for b in active:
-            emitted[b] += [new_n[b] - n_out[b]] if mode == "round" else [1] * (new_n[b] - n_out[b])
+            if mode == "round":
+                emitted[b].append(new_n[b] - n_out[b])
+            else:
+                emitted[b] += [1] * (new_n[b] - n_out[b])
+                plain_steps[b] += new_n[b] - n_out[b]
         if mode == "round":
             made = sum(new_n[b] - n_out[b] for b in active) / max(1, len(active))
             pace = observe(pace, "round", seconds, made)
@@ -466,7 +473,7 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
                 plain_run = PROBE_EVERY  # the text repeats itself: try a round now
         cu_count = max(cu[b] for b in active) if active else 1
         n_out, done = new_n, [bool(d) for d in done_now]
-    spec.pace = pace
+    spec.pace, spec.plain_steps = pace, plain_steps
     out = spec.out.tolist()
     stop_ids = set(spec.stop_ids.tolist())
     return [cut_at_stop(out[b][:min(n_out[b], max_new_tokens)], stop_ids) for b in range(B)], emitted

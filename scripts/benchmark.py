@@ -401,7 +401,7 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
         def decode(prompt_ids, max_new_tokens):
             ids, per_round = speculative.speculative_generate(spec, torch.tensor([prompt_ids], device=device),
                                                               max_new_tokens, adaptive=adaptive)
-            return ids[0], per_round[0]
+            return ids[0], gen.Forwards(per_round[0], spec.plain_steps[0])
         return decode
 
     decoders = {}
@@ -415,8 +415,8 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
 
 
 def build_peers(args, model: Transformer, stop_ids) -> dict:
-    """{(peer, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per forward after
-    the first)} for --peers: transformers' generate on a copy of the target's weights, same dtype
+    """{(peer, temperature): decode(prompt_ids, max_new_tokens) -> (ids, Forwards: tokens per forward
+    after the first)} for --peers: transformers' generate on a copy of the target's weights, same dtype
     and device, same stop tokens, so that its rows are measured exactly like ours. Eager, with
     generate's default cache (dynamic: it grows with the answer; a static one is what
     transformers compiles with, and its prompt lookup refuses one), SDPA attention, use_cache."""
@@ -442,7 +442,7 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
                                   stopping_criteria=[record_length], **options)
             # As speculative_generate counts rounds: the first forward is the prefill (with prompt
             # lookup it also checks guesses from the prompt, so it may emit more than one token).
-            return out[0, len(prompt_ids):].tolist(), [b - a for a, b in zip(lengths, lengths[1:])]
+            return out[0, len(prompt_ids):].tolist(), gen.Forwards([b - a for a, b in zip(lengths, lengths[1:])])
         return decode
 
     decoders = {}
@@ -489,7 +489,9 @@ def not_invariant(args, stop_ids, context: int) -> dict:
 def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
     over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
-    vanilla) and, at temperature 0, the fraction of answers equal to vanilla's."""
+    vanilla), for methods decoded adaptively the plain steps among the forwards and tau over the
+    rounds alone (what the head accepts), and, at temperature 0, the fraction of answers equal to
+    vanilla's."""
     records = []
     groups = {}
     for a in answers:
@@ -498,11 +500,13 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     for (method, T, category), group in groups.items():
         tokens, seconds = sum(a["tokens"] for a in group), sum(a["seconds"] for a in group)
         rounds, accepted = sum(a["rounds"] for a in group), sum(a["accepted"] for a in group)
+        plain_steps = sum(a["plain_steps"] for a in group)  # each emitted 1 token
         records.append(dict(
             header_fields, method=method, temperature=T, category=category,
             questions=len({a["question_id"] for a in group}), answers=len(group), tokens=tokens, rounds=rounds,
             seconds=seconds, tokens_per_s=tokens / seconds, speedup=None,
-            mean_accepted=accepted / rounds if rounds else None,
+            mean_accepted=accepted / rounds if rounds else None, plain_steps=plain_steps,
+            round_tau=(accepted - plain_steps) / (rounds - plain_steps) if rounds > plain_steps else None,
             equal_to_vanilla=(sum(a["equal_to_vanilla"] for a in group) / len(group)) if T == 0 else None,
             peak_memory_gb=peaks[method, T]))
     vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
@@ -597,19 +601,21 @@ def run_mt_bench(args, argv=None) -> dict:
                         torch.cuda.reset_peak_memory_stats(device)
                     speculative.device_sync(device)
                     t = time.perf_counter()
-                    ids, per_round = decoders[method, T](prompt_ids, max_new)
+                    ids, forwards = decoders[method, T](prompt_ids, max_new)
                     speculative.device_sync(device)
                     seconds = time.perf_counter() - t
                     peaks[method, T] = max(peaks[method, T], peak_memory_gb(device))
                     if method == "vanilla":
                         reference = ids
-                    if per_round is None:  # vanilla decoding (also eagle2 where --tree_tokens auto chose it)
+                    if forwards is None:  # vanilla decoding (also eagle2 where --tree_tokens auto chose it)
                         rounds = accepted = len(ids) - 1  # one forward per token after prefill's
-                    else:
-                        rounds, accepted = len(per_round), sum(per_round)
+                        plain_steps = 0
+                    else:  # "rounds": target forwards, --adaptive's plain steps included
+                        rounds, accepted = len(forwards.emitted), sum(forwards.emitted)
+                        plain_steps = forwards.plain_steps
                     answers.append(dict(question_id=q["question_id"], category=q["category"], turn=turn + 1,
                                         method=method, temperature=T, prompt_tokens=len(prompt_ids), tokens=len(ids),
-                                        seconds=seconds, rounds=rounds, accepted=accepted,
+                                        seconds=seconds, rounds=rounds, accepted=accepted, plain_steps=plain_steps,
                                         equal_to_vanilla=ids == reference if T == 0 else None))
                     bar.set_postfix_str(f"q{q['question_id']} T={T:g} {method}: {len(ids) / seconds:.1f} tok/s")
                     bar.update()
@@ -695,6 +701,13 @@ def mt_bench_markdown(report: dict) -> str:
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | "
                      f"{_fmt(r['mean_accepted'])} | {_fmt(r['equal_to_vanilla'], '.0%')} | {r['peak_memory_gb']:.2f} | "
                      f"{r['tokens']} | {r['rounds']} |")
+    adaptive = [r for r in overall if r.get("plain_steps")]
+    if adaptive:
+        lines += ["", "τ above counts every target forward; --adaptive's plain steps (1 token each) are among "
+                  "them. Over the speculative rounds alone (what the head accepts):", ""]
+        lines += [f"- {r['method']} at T={r['temperature']:g}: τ {_fmt(r['round_tau'])} over "
+                  f"{r['rounds'] - r['plain_steps']} rounds; {r['plain_steps']} plain steps "
+                  f"({r['plain_steps'] / r['rounds']:.0%} of the forwards)" for r in adaptive]
     methods = list(report["methods"])
     lines += ["", "Per category: vanilla tok/s, and speedup (τ) of each method.", "",
               "| category | temperature | vanilla tok/s | " + " | ".join(methods[1:]) + " |",

@@ -86,6 +86,13 @@ def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
     # lookup alone guesses 10 tokens a round; the hybrids add 8 lookup nodes to the 12-token tree
     assert overall["lookup", 0.0]["tree_tokens"] == 11 and overall["eagle2+lookup", 0.0]["tree_tokens"] == 20
     assert "decoded adaptively" in saved["methods"]["eagle3+lookup"]
+    # plain steps only where the driver may take them; tau over the rounds alone is never below the
+    # tau over all forwards (a plain step emits 1 token)
+    for (method, T), r in overall.items():
+        if method in bench.ADAPTIVE:
+            assert r["round_tau"] >= r["mean_accepted"] and 0 <= r["plain_steps"] < r["rounds"]
+        elif method != "vanilla":
+            assert r["plain_steps"] == 0 and r["round_tau"] == pytest.approx(r["mean_accepted"])
     markdown = out.with_suffix(".md").read_text()
     assert "| eagle2 | 0 |" in markdown and "| coding | 1 |" in markdown and saved["command"] in markdown
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

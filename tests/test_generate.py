@@ -166,6 +166,19 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
         gen.parse_args(["--compare"])  # nothing to compare with
 
 
+def test_forwards_report_tau_over_rounds_and_plain_steps_apart():
+    """--adaptive's plain steps emit 1 token each: counted as rounds they would drag tau towards 1
+    (a head accepting 2.5 tokens a round read as 1.2). tau is over the rounds alone."""
+    rounds_only = gen.Forwards([3, 1, 2])
+    assert (rounds_only.rounds, rounds_only.tau) == (3, 2.0)
+    assert rounds_only.describe() == "tau 2.00 over 3 rounds"
+    mixed = gen.Forwards([3, 1, 1, 1, 1, 2], plain_steps=3) + gen.Forwards([1, 4], plain_steps=1)
+    assert (mixed.rounds, mixed.plain_steps, mixed.tau) == (4, 4, (3 + 1 + 2 + 4) / 4)
+    assert mixed.describe().startswith("tau 2.50 over 4 rounds and 4 plain steps (50% of the forwards")
+    assert "1.75 tokens per forward overall" in mixed.describe()
+    assert gen.Forwards([1, 1], plain_steps=2).tau is None
+
+
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager

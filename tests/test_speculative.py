@@ -310,11 +310,18 @@ def test_greedy_equals_vanilla_with_lookup_and_switching(method, modes):
     spec = HYBRIDS[method](target, draft)
     lookups = 0
     for prompt in repetitive_prompts(6, 512):
-        forced = itertools.cycle(["round", "plain", "plain", "round"]) if modes == "switching" else None
-        ids, emitted = speculative.speculative_generate(spec, prompt, 40, force_modes=forced,
+        drawn = []  # the forced modes, as the driver draws them
+        forced = (drawn.append(m) or m for m in itertools.cycle(["round", "plain", "plain", "round"]))
+        ids, emitted = speculative.speculative_generate(spec, prompt, 40,
+                                                        force_modes=forced if modes == "switching" else None,
                                                         adaptive=modes == "adaptive")
         assert ids == vanilla(target, prompt, 40)
         assert sum(emitted[0]) + 1 >= len(ids[0])  # + the first token (prefill); a round may overshoot
+        if modes == "switching":  # the plain steps are told apart from rounds that accepted nothing
+            assert len(emitted[0]) - spec.plain_steps[0] == drawn.count("round")
+            assert drawn.count("plain") <= spec.plain_steps[0] <= speculative.PLAIN_BURST * drawn.count("plain")
+        elif modes == "rounds":
+            assert spec.plain_steps == [0]
         lookups += max(emitted[0]) > 1
     assert lookups >= 3  # rounds accepted guesses
 
