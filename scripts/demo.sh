@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # End-to-end demo: set up .venv, fetch + convert SmolLM2-135M-Instruct, then answer one chat
 # prompt twice with `generate.py --compare`: plainly, then with EAGLE speculative decoding
-# (streamed), and print both speeds, the speedup, tau (tokens per target forward) and whether
-# the two answers are identical.
+# (streamed), and print both speeds, the speedup, tau (tokens per speculative round; the plain
+# steps that adaptive decoding took where rounds did not pay are counted apart) and whether the
+# two answers are identical.
 #
 # The head: the EAGLE-3 one (checkpoints/NAME/eagle3/), which since 2026-11-25 accepts more of its
 # guesses than the EAGLE-2 one (MT-bench tau 2.61 against 2.54, float32, 60-token trees) and costs
