@@ -468,7 +468,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     # Compiled, SDPA stays ATen's flash-attention kernel for the CPU. The matmul form would not:
     # max-autotune gives its q @ k^T to the AMX GEMM template, which then repacks the whole K
     # cache into the template's layout on every call (measured: 154 us a layer, a third of a step).
+    if q.device.type == "cpu" and q.shape[1] != k.shape[1]:
+        return _grouped_sdpa(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA with GQA on a CPU: the G = H // KV query heads that share a KV head are stacked as G * T
+    query rows of one call per KV head, each row with its query's mask. ATen's CPU flash kernel
+    with enable_gqa handles each query head apart and, in bf16/fp16, packs that head's K and V
+    blocks again: a one-token bf16 step over 512 slots took 0.30 ms a layer that way and 0.06 ms
+    stacked (SmolLM2-135M's 9 query and 3 KV heads, torch 2.13, AMD EPYC, 2 threads; half of a
+    compiled decode step went to it). 12 query rows cost the same either way."""
+    B, H, T, D = q.shape
+    KV, S = k.size(1), k.size(2)
+    G = H // KV
+    rows = q.reshape(B, KV, G * T, D)  # query head h = kv * G + g reads KV head kv, as enable_gqa
+    row_mask = mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    return F.scaled_dot_product_attention(rows, k, v, attn_mask=row_mask).view(B, H, T, D)
 
 
 # Eager bf16/fp16 attention on a CPU: up to this many scores (B * H * T * S) the matmul form below

@@ -146,6 +146,28 @@ def test_cpu_half_precision_attention_path_equals_sdpa(T, S):
     torch.testing.assert_close(half.float(), reference, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("T", [1, 7])
+@torch.no_grad()
+def test_cpu_gqa_attention_stacks_query_heads_and_equals_sdpa(T):
+    """On a CPU the query heads that share a KV head go to SDPA as rows of one call (its GQA mode
+    is slow there): the same attention as enable_gqa, head by head and query by query, each row
+    with its own mask, compiled too (the path generate.py --compile takes)."""
+    import torch.nn.functional as F
+    from model import _grouped_sdpa, attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, T, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.rand(2, T, 40) > 0.3
+    mask[..., 0] = True  # every query sees something
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    torch.testing.assert_close(_grouped_sdpa(q, k, v, mask), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, mask), reference, atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(attention, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask).float(), reference,
+                               atol=3e-2, rtol=3e-2)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "mistral-sliding"])
 @torch.no_grad()
 def test_kv_len_reads_only_the_live_slots_and_changes_nothing(name):
