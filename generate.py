@@ -227,20 +227,21 @@ def parse_args(argv=None):
                    help="eagle3: the draft's dtype (default: the target's). The output does not depend on it (the "
                         "target verifies every token); bfloat16 makes each draft level cheaper on a CPU")
     g.add_argument("--tree_top_k", type=int, default=None,
-                   help="eagle2/eagle3: children per expanded node (default 10, 8 compiled on a CPU; with auto, "
-                        "chosen unless given)")
+                   help="eagle2/eagle3: children per expanded node (default 10; compiled on a CPU 8 with AMX, 4 "
+                        "without; with auto, chosen unless given)")
     g.add_argument("--tree_depth", type=int, default=None,
                    help="eagle2/eagle3: levels of draft guesses (default 6 for eagle2, 8 for eagle3, as in their "
                         "papers; 3 compiled on a CPU; with auto, chosen unless given)")
     g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=None,
-                   help="eagle2/eagle3: nodes verified per round, root included (default: 12 compiled on a CPU, "
-                        "auto for eager CPU runs, 60 on a GPU); auto: choose top_k, depth and tokens from what rounds "
+                   help="eagle2/eagle3: nodes verified per round, root included (default: compiled on a CPU 12 "
+                        "with AMX, 4 without; auto for eager CPU runs; 60 on a GPU); auto: choose top_k, depth and tokens from what rounds "
                         "cost on this machine (compiled graphs on a CPU: a few minutes, once) and how "
                         "often the head's guesses are accepted, measured once and cached "
                         "(speculative.auto_shape), or decode without speculation if no tree pays")
     g.add_argument("--lookup", type=int, default=None,
                    help="prompt lookup's guesses as a chain of this many more nodes in every tree, verified in the "
-                        "same forward pass (default 8 for eagle/eagle2/eagle3, 10 for --speculate lookup; 0: none)")
+                        "same forward pass (default 8 for eagle/eagle2/eagle3, 0 with the compiled CPU tree of a "
+                        "CPU without AMX; 10 for --speculate lookup; 0: none)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="switch between speculative rounds and plain steps as the answer goes, whichever is faster "
                         "by running estimates of their cost and of what rounds accept (default: on)")
@@ -319,15 +320,18 @@ def parse_args(argv=None):
         problem = batch_invariant_problem(args.device, args.dtype, args.compile, args.checkpoint_path)
         if problem:
             p.error(problem)
+    compiled_cpu_tree = args.compile and args.device == "cpu" and args.speculate in ("eagle2", "eagle3") \
+        and args.tree_tokens is None
+    if compiled_cpu_tree:  # a measured shape; auto would compile a few graphs to time them (minutes, once)
+        tree = cpu_compiled_tree()
+        args.tree_tokens = tree["tree_tokens"]
+        args.tree_top_k = args.tree_top_k or tree["tree_top_k"]
+        args.tree_depth = args.tree_depth or tree["tree_depth"]
+        args.lookup = tree["lookup"] if args.lookup is None else args.lookup
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
     if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
-        if args.compile:  # a measured shape; auto would compile a few graphs to time them (minutes, once)
-            args.tree_tokens = CPU_COMPILED_TREE["tree_tokens"]
-            args.tree_top_k = args.tree_top_k or CPU_COMPILED_TREE["tree_top_k"]
-            args.tree_depth = args.tree_depth or CPU_COMPILED_TREE["tree_depth"]
-        else:  # eager, measuring takes seconds
-            args.tree_tokens = "auto"
+        args.tree_tokens = "auto"  # eager: measuring takes seconds
     if args.tree_tokens is None:
         args.tree_tokens = 60
     if args.tree_tokens != "auto":  # auto searches what is not given
@@ -347,11 +351,23 @@ SPECULATE = {
 }
 
 
-# The tree of a compiled CPU run without --tree_tokens. On a CPU verifying T tokens costs more the
-# larger T (compiled, bf16, SmolLM2-135M: 1.18 steps for 2 tokens, 1.29 for 12, 1.52 for 32) and
-# each draft level ~0.08 steps; --tree_tokens auto times this machine and picks the shape for the
-# head (benchmarks/README.md has the measurements behind this default).
-CPU_COMPILED_TREE = dict(tree_top_k=8, tree_depth=3, tree_tokens=12)
+# The tree (and prompt lookup's nodes in it) of a compiled CPU run without --tree_tokens, by whether
+# the CPU has AMX tiles. What a verify of T tokens costs depends on the CPU's matrix units (compiled
+# bf16, SmolLM2-135M, MT-bench; benchmarks/README.md has the runs):
+# - with AMX (Intel Xeon, Sapphire Rapids on) a 12-token verify costs ~1.2-1.3 steps, and top-k 8,
+#   depth 3, 12 tokens with 8 lookup nodes measured fastest (1.37x plain decoding);
+# - without (AMD EPYC Zen 4: AVX-512 with bf16 dot products) a verify of 4 tokens costs 1.2-1.5
+#   steps and one of 8-12 tokens ~3: 12-token trees ran at 0.65x plain decoding (1.01x with 8
+#   lookup nodes, adaptive decoding taking plain steps for 89 % of the forwards), 4-token trees of
+#   top-k 4, depth 3 without lookup nodes at 1.00-1.19x (two runs).
+# --tree_tokens auto times this machine's compiled graphs instead (minutes of compiling, once).
+CPU_COMPILED_TREE = {"amx": dict(tree_top_k=8, tree_depth=3, tree_tokens=12, lookup=8),
+                     "no_amx": dict(tree_top_k=4, tree_depth=3, tree_tokens=4, lookup=0)}
+
+
+def cpu_compiled_tree() -> dict:
+    """The default tree of a compiled CPU run on this CPU (CPU_COMPILED_TREE)."""
+    return CPU_COMPILED_TREE["amx" if torch.cpu._is_amx_tile_supported() else "no_amx"]
 
 
 def check_head(method: str, draft, path):

@@ -13,8 +13,9 @@
 # (benchmarks/README.md): compiled (frozen weights, Inductor's C++ GEMM templates; compiling takes
 # a minute or two the first time and is cached on disk, so later runs start in seconds),
 # bfloat16 (twice float32's speed; the speculative answer can then differ from the plain one where
-# two tokens nearly tie, which the demo says), and a 12-token tree. Extra arguments go to
-# generate.py and win over these, e.g.
+# two tokens nearly tie, which the demo says), and the compiled CPU tree of this CPU: 12 tokens
+# and 8 prompt-lookup nodes with AMX (Intel Xeon), 4 tokens without (e.g. AMD EPYC). Extra
+# arguments go to generate.py and win over these, e.g.
 #   bash scripts/demo.sh --prompt "Name three primes." --max_new_tokens 64
 #   bash scripts/demo.sh --dtype float32       # identical answers, token for token
 #   bash scripts/demo.sh --no-compile          # eager: no compile time, half the speed

@@ -179,6 +179,24 @@ def test_forwards_report_tau_over_rounds_and_plain_steps_apart():
     assert gen.Forwards([1, 1], plain_steps=2).tau is None
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_compiled_cpu_default_tree_follows_the_cpus_matrix_units(monkeypatch, tmp_path, amx):
+    """Compiled on a CPU without --tree_tokens: top-k 8, depth 3, 12 tokens and 8 lookup nodes with
+    AMX; 4 tokens of top-k 4 and no lookup nodes without (where verifying 8-12 rows costs several
+    steps). What the user passes is kept."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    base = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
+    args = gen.parse_args(base)
+    expected = dict(tree_top_k=8, tree_depth=3, tree_tokens=12, lookup=8) if amx else \
+        dict(tree_top_k=4, tree_depth=3, tree_tokens=4, lookup=0)
+    assert {k: getattr(args, k) for k in expected} == expected
+    mine = gen.parse_args(base + ["--tree_top_k", "2", "--lookup", "3"])
+    assert (mine.tree_top_k, mine.tree_depth, mine.tree_tokens, mine.lookup) == (2, 3, expected["tree_tokens"], 3)
+    assert gen.parse_args(base + ["--tree_tokens", "20"]).lookup == 8  # not the compiled default tree
+    eager = gen.parse_args(base[:2] + ["--no-compile"] + base[3:])
+    assert (eager.tree_tokens, eager.lookup) == ("auto", 8)
+
+
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
