@@ -282,12 +282,13 @@ def test_prompt_lookup_peer_counts_its_forwards(monkeypatch):
     decoders = bench.build_peers(args, target, stop_ids=())
     prompt = gen.generate(target, torch.tensor([[5, 7, 11]]), 24)[0]  # the greedy answer loops
     expected = gen.generate(target, torch.tensor([prompt]), 24)[0]
-    ids, per_round = decoders["hf_prompt_lookup", 0.0](prompt, 24)
+    ids, counted_forwards = decoders["hf_prompt_lookup", 0.0](prompt, 24)
+    per_round = counted_forwards.emitted  # tokens emitted by each forward after prefill
     assert ids == expected and len(forwards) == 1 + len(per_round) < len(ids)
-    assert sum(per_round) < len(ids) and max(per_round) > 1
+    assert sum(per_round) < len(ids) and max(per_round) > 1 and counted_forwards.plain_steps == 0
     forwards.clear()
-    ids, per_round = decoders["hf", 0.0](prompt, 24)
-    assert ids == expected and per_round == [1] * 23 and len(forwards) == 24
+    ids, counted_forwards = decoders["hf", 0.0](prompt, 24)
+    assert ids == expected and list(counted_forwards.emitted) == [1] * 23 and len(forwards) == 24
 
 
 def test_missing_transformers_is_a_clear_error_before_the_run(tiny_checkpoint, tmp_path, capsys, monkeypatch):
