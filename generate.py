@@ -356,7 +356,7 @@ SPECULATE = {
 # bf16, SmolLM2-135M, MT-bench; benchmarks/README.md has the runs):
 # - with AMX (Intel Xeon, Sapphire Rapids on) a 12-token verify costs ~1.2-1.3 steps, and top-k 8,
 #   depth 3, 12 tokens with 8 lookup nodes measured fastest (1.37x plain decoding);
-# - without (AMD EPYC Zen 4: AVX-512 with bf16 dot products) a verify of 4 tokens costs 1.2-1.5
+# - without (AMD EPYC: AVX-512 with bf16 dot products) a verify of 4 tokens costs 1.2-1.5
 #   steps and one of 8-12 tokens ~3: 12-token trees ran at 0.65x plain decoding (1.01x with 8
 #   lookup nodes, adaptive decoding taking plain steps for 89 % of the forwards), 4-token trees of
 #   top-k 4, depth 3 without lookup nodes at 1.00-1.19x (two runs).

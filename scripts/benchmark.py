@@ -259,9 +259,17 @@ def hardware_name(device: str) -> str:
         return torch.cuda.get_device_name(device)
     cpu = platform.processor() or platform.machine()
     if Path("/proc/cpuinfo").is_file():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+        # "model name" alone can be a bare vendor line ("AMD EPYC" on two generations of these VMs,
+        # whose timings differ): the family and model numbers and AMX tell them apart
+        info = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+        if info.get("model name"):
+            cpu = info["model name"]
+            if info.get("cpu family"):
+                cpu += f" (family {info['cpu family']}, model {info.get('model', '?')}"
+                cpu += ", AMX)" if "amx_tile" in info.get("flags", "").split() else ", no AMX)"
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
