@@ -743,14 +743,29 @@ def auto_cache_dir() -> Path:
     return Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "auto")
 
 
+def cpu_name() -> str:
+    """The CPU's model name, with its family and model numbers and whether it has AMX where
+    /proc/cpuinfo says: the name alone can be a bare vendor line ("AMD EPYC" on two generations of
+    the project's VMs, whose timings differ)."""
+    cpu = platform.processor() or platform.machine()
+    if not Path("/proc/cpuinfo").is_file():
+        return cpu
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first CPU's fields
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    if not info.get("model name"):
+        return cpu
+    cpu = info["model name"]
+    if info.get("cpu family"):
+        amx = "AMX" if "amx_tile" in info.get("flags", "").split() else "no AMX"
+        cpu += f" (family {info['cpu family']}, model {info.get('model', '?')}, {amx})"
+    return cpu
+
+
 def machine_key(device) -> dict:
     """The machine, as far as timings depend on it."""
-    if str(device).startswith("cuda"):
-        hardware = torch.cuda.get_device_name(device)
-    else:
-        hardware = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() \
-            else platform.processor()
+    hardware = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else cpu_name()
     return dict(hardware=hardware, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
                 host=platform.node())
 

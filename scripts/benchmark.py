@@ -54,7 +54,6 @@ all-reduces alone, to show what the collectives cost (benchmarks/README.md has t
 import argparse
 import json
 import os
-import platform
 import resource
 import shlex
 import sys
@@ -257,20 +256,7 @@ def parse_args(argv=None):
 def hardware_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        # "model name" alone can be a bare vendor line ("AMD EPYC" on two generations of these VMs,
-        # whose timings differ): the family and model numbers and AMX tell them apart
-        info = {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-        if info.get("model name"):
-            cpu = info["model name"]
-            if info.get("cpu family"):
-                cpu += f" (family {info['cpu family']}, model {info.get('model', '?')}"
-                cpu += ", AMX)" if "amx_tile" in info.get("flags", "").split() else ", no AMX)"
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{speculative.cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 def peak_memory_gb(device: str) -> float:
