@@ -362,7 +362,7 @@ def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) 
 
 
 def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
-    """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, tokens per round or None)},
+    """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, generate.Forwards or None)},
     and the tree shapes (tree_shapes). All methods share the target and the drafts and their
     caches, allocated here once for the largest tree, before anything is compiled."""
     device = args.device
@@ -387,22 +387,11 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
                                 decode_fn=gen.decode_one_token, **sampling)[0], None
         return decode
 
-    def speculative_decoder(spec, adaptive):
-        spec.setup(1, context + 2 * (spec.depth + 1))
-        if args.compile:
-            speculative.compile_round(spec, args.compile_prefill)
-
-        def decode(prompt_ids, max_new_tokens):
-            ids, per_round = speculative.speculative_generate(spec, torch.tensor([prompt_ids], device=device),
-                                                              max_new_tokens, adaptive=adaptive)
-            return ids[0], gen.Forwards(per_round[0], spec.plain_steps[0])
-        return decode
-
     decoders = {}
     for T in args.temperatures:
         for method in args.methods:
-            if (method, T) in specs:
-                decoders[method, T] = speculative_decoder(specs[method, T], method in ADAPTIVE)
+            if (method, T) in specs:  # generate.py's decoder: caches, compiled round, its checks
+                decoders[method, T] = gen.speculative_decoder(args, specs[method, T], context, method in ADAPTIVE)
             else:  # vanilla, or a method for which --tree_tokens auto chose vanilla decoding
                 decoders[method, T] = vanilla(dict(temperature=T, top_k=None, top_p=None))
     return decoders, shapes
