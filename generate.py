@@ -320,18 +320,17 @@ def parse_args(argv=None):
         problem = batch_invariant_problem(args.device, args.dtype, args.compile, args.checkpoint_path)
         if problem:
             p.error(problem)
-    compiled_cpu_tree = args.compile and args.device == "cpu" and args.speculate in ("eagle2", "eagle3") \
-        and args.tree_tokens is None
-    if compiled_cpu_tree:  # a measured shape; auto would compile a few graphs to time them (minutes, once)
-        tree = cpu_compiled_tree()
-        args.tree_tokens = tree["tree_tokens"]
-        args.tree_top_k = args.tree_top_k or tree["tree_top_k"]
-        args.tree_depth = args.tree_depth or tree["tree_depth"]
-        args.lookup = tree["lookup"] if args.lookup is None else args.lookup
+    if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
+        if args.compile:  # a measured shape; auto would compile a few graphs to time them (minutes, once)
+            tree = cpu_compiled_tree()
+            args.tree_tokens = tree["tree_tokens"]
+            args.tree_top_k = args.tree_top_k or tree["tree_top_k"]
+            args.tree_depth = args.tree_depth or tree["tree_depth"]
+            args.lookup = tree["lookup"] if args.lookup is None else args.lookup
+        else:  # eager, measuring takes seconds
+            args.tree_tokens = "auto"
     if args.lookup is None:
         args.lookup = {"none": 0, "lookup": 10}.get(args.speculate, 8)
-    if args.tree_tokens is None and args.device == "cpu" and args.speculate in ("eagle2", "eagle3"):
-        args.tree_tokens = "auto"  # eager: measuring takes seconds
     if args.tree_tokens is None:
         args.tree_tokens = 60
     if args.tree_tokens != "auto":  # auto searches what is not given
