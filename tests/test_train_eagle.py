@@ -294,7 +294,8 @@ def test_eagle3_resume_continues_bit_for_bit(tiny_hf_checkpoint, tmp_path, monke
 
 def test_eagle3_init_from_continues_a_trained_head(tiny_hf_checkpoint, tmp_path, monkeypatch):
     """--init_from starts from a trained head's weights and draft vocabulary (not a fresh, warm-started
-    head): with a zero learning rate the head written out is the one it started from, with a real
+    head): with a zero learning rate the head written out is the one it started from (and into the
+    directory of that head, it ties with it and does not replace it), with a real
     one training begins at the loss the first head ended near, below a fresh head's; a head of
     another architecture is refused with a one-line error."""
     from draft import EagleDraft
@@ -316,6 +317,15 @@ def test_eagle3_init_from_continues_a_trained_head(tiny_hf_checkpoint, tmp_path,
     info = json.loads((tmp_path / "same.work" / "training.json").read_text())
     assert info["init_from"]["dir"] == str(tmp_path / "first") and info["init_from"]["steps"] == first_record["steps"]
     assert info["warm_start"] is None and info["data"]["vocab_from"] == str(tmp_path / "first")
+
+    # Into the first head's own directory, unchanged weights: measured on the same conversations it
+    # ties with the head already there, and a tie does not replace it.
+    before = (tmp_path / "first" / "draft.safetensors").read_bytes()
+    te.main(eagle3_argv(model_path, tmp_path / "first", *common, "--epochs", "1", "--lr", "0", "--force",
+                        "--init_from", str(tmp_path / "first"), "--work_dir", str(tmp_path / "again.work")))
+    again = json.loads((tmp_path / "again.work" / "training.json").read_text())
+    assert again["baseline"]["val_acc"] == again["history"][-1]["val_acc"] and again["shipped_step"] is None
+    assert (tmp_path / "first" / "draft.safetensors").read_bytes() == before
 
     te.main(eagle3_argv(model_path, tmp_path / "more", *common, "--epochs", "1", "--max_steps", "1",
                         "--init_from", str(tmp_path / "first")))
