@@ -176,6 +176,19 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
     return None
 
 
+def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoint_path) -> bool:
+    """--batch_invariant's default: on where the mode was measured to cost at most 10 % of a plain
+    step and of a round against plain decoding without it (issue 22), so that greedy speculative
+    output equals plain decoding's in bfloat16 without asking. Compiled bf16 on a CPU without AMX
+    (AMD EPYC, Zen 5, SmolLM2, the 4-token default tree; benchmarks/README.md): a step 16.9 against
+    16.6 ms, a round 32.0 against 29.7 ms, MT-bench plain decoding 4.6 % slower. With AMX the step
+    cost 15 % (17.8 against 15.5 ms): off. Quantized files, float16/float32, eager runs and CUDA
+    were not timed against the 10 %: off until they are."""
+    return (device == "cpu" and compile and dtype == "bfloat16" and mode_from_path(checkpoint_path)[0] is None
+            and not torch.cpu._is_amx_tile_supported()
+            and batch_invariant_problem(device, dtype, compile, checkpoint_path) is None)
+
+
 def set_batch_invariant(model: Transformer) -> Transformer:
     """--batch_invariant: the target's attention over a layout fixed by each query's position
     (model.invariant_attention; on CUDA invariant_kernels.window_attention), its int8 layers on one
@@ -250,10 +263,12 @@ def parse_args(argv=None):
     g.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto",
                    help="tree attention: triton = the fused kernel of tree_attention.py (CUDA only), sdpa = SDPA "
                         "with dense masks; auto: triton on CUDA when triton is installed, else sdpa")
-    p.add_argument("--batch_invariant", action="store_true",
+    p.add_argument("--batch_invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="compute every token's logits bit for bit the same in a one-token step and in a verify "
                         "of many (model.invariant_attention): greedy speculative output then equals plain "
-                        "decoding's in bfloat16 and float16 too (CPU: bfloat16, or float16/float32 with --compile)")
+                        "decoding's in bfloat16 and float16 too (CPU: bfloat16, or float16/float32 with --compile). "
+                        "Default: on where it was measured to cost <= 10%% (compiled bfloat16 on a CPU without "
+                        "AMX), off elsewhere")
     p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
                    help="tensor parallelism (under torchrun): seconds a rank waits for the others, to join and "
                         "at each collective, before it gives up with an error")
@@ -316,6 +331,8 @@ def parse_args(argv=None):
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
         args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile or args.batch_invariant else "float32"
+    if args.batch_invariant is None:
+        args.batch_invariant = batch_invariant_by_default(args.device, args.dtype, args.compile, args.checkpoint_path)
     if args.batch_invariant:
         problem = batch_invariant_problem(args.device, args.dtype, args.compile, args.checkpoint_path)
         if problem:

@@ -197,6 +197,23 @@ def test_compiled_cpu_default_tree_follows_the_cpus_matrix_units(monkeypatch, tm
     assert (eager.tree_tokens, eager.lookup) == ("auto", 8)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, tmp_path, amx):
+    """--batch_invariant defaults to on for compiled bf16 runs of an unquantized file on a CPU without
+    AMX (measured there to cost <= 10 % of a step and of a round), off with AMX (15 %), eager, in
+    float32 and for quantized files; --batch_invariant / --no-batch_invariant always win."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    compiled = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
+    assert gen.parse_args(compiled).batch_invariant is (not amx)
+    assert gen.parse_args(compiled + ["--dtype", "bfloat16"]).batch_invariant is (not amx)
+    assert gen.parse_args(compiled + ["--no-batch_invariant"]).batch_invariant is False
+    assert gen.parse_args(compiled + ["--batch_invariant"]).batch_invariant is True
+    assert gen.parse_args(compiled + ["--dtype", "float32"]).batch_invariant is False
+    assert gen.parse_args(["--device", "cpu", "--no-compile"]).batch_invariant is False
+    int8 = ["--checkpoint_path", str(tmp_path / "model_int8.pth")]
+    assert gen.parse_args(compiled + int8).batch_invariant is False
+
+
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
