@@ -784,13 +784,18 @@ def draft_losses(draft, embed, head, ids, feats, learn, preset: Preset, noise: b
     return results
 
 
+def autocast(device, dtype: str):
+    """Training's and validation's autocast: bf16 where --dtype bfloat16, a no-op otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
 @torch.no_grad()
-def validate(draft, target, data, preset: Preset, device, autocast):
+def validate(draft, target, data, preset: Preset, device, dtype: str):
     draft.eval()
     sums, count = None, 0
     for batch in make_batches(data, preset.batch_tokens, False, random.Random(0)):
         ids, feats, learn = collate([data[i] for i in batch], device)
-        with autocast():
+        with autocast(device, dtype):
             res = draft_losses(draft, target.tok_embeddings, target.output, ids, feats, learn, preset, noise=False)
         vals = torch.tensor([[l1, ce, acc] for _, l1, ce, acc in res])
         sums = vals * len(batch) if sums is None else sums + vals * len(batch)
@@ -900,13 +905,13 @@ def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, prese
 
 
 @torch.no_grad()
-def validate3(draft, target, data, preset: Preset, device, autocast, draft_index):
+def validate3(draft, target, data, preset: Preset, device, dtype: str, draft_index):
     """Per unrolled step: [soft CE, top-1 accuracy (out-of-vocabulary targets are misses), top-1
     accuracy among targets in the vocabulary], over every answer token of data."""
     draft.eval()
     sums = torch.zeros(preset.unroll, 4)
     for batch in make_batches_by_length([len(r["ids"]) for r in data], preset.batch_tokens, False, random.Random(0)):
-        with autocast():
+        with autocast(device, dtype):
             res = eagle3_losses(draft, target.tok_embeddings, *collate3([data[i] for i in batch], device, draft_index),
                                 preset)
         sums += torch.tensor([[float(x) for x in r[1:]] for r in res])
@@ -925,14 +930,9 @@ def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def validate_head(head, target, val, preset: Preset, dtype: str):
     """validate3's top-1 accuracy per unrolled step of a finished EAGLE-3 head (over its own
     vocabulary) on the validation conversations: what a new head must beat to replace it."""
-    device = target.norm.weight.device
-
-    def autocast():  # as train() validates
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-
     setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
     index = index_of_vocab(head.vocab, target.config.vocab_size)
-    return validate3(head, target, val, preset, device, autocast, index)[:, 1].tolist()
+    return validate3(head, target, val, preset, target.norm.weight.device, dtype, index)[:, 1].tolist()
 
 
 def val_score(val_acc, decay: float) -> float:
@@ -1048,11 +1048,6 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
             print(f"resuming with changed settings (saved, now): {changed}", file=sys.stderr)
         st.update(saved)
         print(f"resuming at epoch {st['epoch']}, batch {st['batch']}, step {st['step']}", file=sys.stderr)
-    use_bf16 = args.dtype == "bfloat16"
-
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-
     def save():
         save_state(state_file, {**st, "draft": draft.state_dict(), "opt": opt.state_dict(),
                                 "sched": sched.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -1068,10 +1063,10 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
                   "epoch_end": epoch_done, "train_minutes": round(st["seconds"] / 60, 2),
                   "train_loss": sum(st["losses"][since:]) / max(1, len(st["losses"]) - since)}
         if eagle3:
-            val = validate3(draft, target, data["val"], preset, device, autocast, draft_index)
+            val = validate3(draft, target, data["val"], preset, device, args.dtype, draft_index)
             record.update(val_ce=val[:, 0].tolist(), val_acc=val[:, 1].tolist(), val_acc_in_vocab=val[:, 2].tolist())
         else:
-            val = validate(draft, target, data["val"], preset, device, autocast)
+            val = validate(draft, target, data["val"], preset, device, args.dtype)
             record.update(val_smooth_l1=val[:, 0].tolist(), val_ce=val[:, 1].tolist(), val_acc=val[:, 2].tolist())
         if tau_prompts:
             draft.eval()
@@ -1096,7 +1091,7 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
         for b in bar:
             t0 = time.time()
             items = [data["train"][i] for i in batches[b]]
-            with autocast():
+            with autocast(device, args.dtype):
                 if eagle3:
                     res = eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
                 else:

@@ -27,7 +27,6 @@ if not torch.cuda.is_available() and not ik.INTERPRETED:
     importlib.reload(ik)  # imported before the variable was set: decorate again
 
 
-
 @pytest.fixture(autouse=True)
 def interpreter_dot_row_by_row(monkeypatch):
     """In the interpreter, tl.dot is numpy's matmul, and numpy's BLAS can round a row differently
