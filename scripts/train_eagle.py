@@ -1145,7 +1145,8 @@ def parse_args(argv=None):
                    help="eagle3: the teacher-forced features of the shards (default: WORK_DIR/features); runs on "
                         "the same shards and target may share it")
     p.add_argument("--resume", action="store_true",
-                   help="continue the training state saved in WORK_DIR (bit for bit); without a saved state, start")
+                   help="continue the training state saved in WORK_DIR (bit for bit, over the shards it started "
+                        "on); without a saved state, start")
     p.add_argument("--max_steps", type=int, default=None,
                    help="stop after this many optimizer steps in all (the state is saved: --resume continues)")
     p.add_argument("--data_only", action="store_true", help="write the data (eagle3: the shards), then stop")
@@ -1181,6 +1182,16 @@ def parse_args(argv=None):
     if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
         p.error(f"{args.work_dir} holds a training state: pass --resume to continue it, or delete "
                 f"{args.work_dir / 'train_state.pt'} to start over")
+    # A resumed EAGLE-3 run keeps the shards it started on; asked for another count, it would train
+    # the old list without a word (and a finished run would do nothing), so say what to do instead.
+    used = args.work_dir / "train_data.json"
+    if (args.resume and args.n_shards is not None and not args.data_only and used.is_file()
+            and (args.work_dir / "train_state.pt").is_file()):
+        started = len(json.loads(used.read_text())["shards"])
+        if started != args.n_shards:
+            p.error(f"the training state in {args.work_dir} runs over {started} shards, not --n_shards "
+                    f"{args.n_shards}: drop --n_shards to continue it, or move "
+                    f"{args.work_dir / 'train_state.pt'} away to start a run over {args.n_shards}")
     if args.init_from is not None and not (args.init_from / "draft.safetensors").is_file():
         p.error(f"--init_from {args.init_from}: no draft.safetensors there")
     preset = PRESETS[args.arch][args.preset]

@@ -508,3 +508,23 @@ def test_an_existing_head_is_kept_unless_forced_but_data_only_may_write_beside_i
     assert "already holds a head; pass --force" in capsys.readouterr().err
     args, _ = te.parse_args(argv + ["--data_only"])
     assert args.data_only and args.out_dir == out
+
+
+def test_resume_refuses_another_shard_count(tmp_path, capsys):
+    """--resume continues the shard list a run started on; an --n_shards that differs from it (the
+    next epoch over more shards, while the last run's state is still in the work dir) is a one-line
+    error that says what to do, not a run over the old list."""
+    ckpt, out = tmp_path / "model.pth", tmp_path / "head"
+    ckpt.touch()
+    work = tmp_path / "head.work"
+    work.mkdir()
+    (work / "train_state.pt").touch()
+    (work / "train_data.json").write_text(json.dumps({"shards": [f"conv_{n:05d}.npz" for n in range(57)]}))
+    argv = ["--arch", "eagle3", "--checkpoint_path", str(ckpt), "--out_dir", str(out), "--resume"]
+    with pytest.raises(SystemExit):
+        te.parse_args(argv + ["--n_shards", "72"])
+    err = capsys.readouterr().err
+    assert "runs over 57 shards, not --n_shards 72" in err and "move" in err and "Traceback" not in err
+    assert te.parse_args(argv + ["--n_shards", "57"])[0].resume  # the same count continues
+    assert te.parse_args(argv)[0].resume  # no count: the saved list
+    assert te.parse_args(argv + ["--n_shards", "72", "--data_only"])[0].data_only  # data only: no training
