@@ -1184,14 +1184,11 @@ def parse_args(argv=None):
                 f"{args.work_dir / 'train_state.pt'} to start over")
     # A resumed EAGLE-3 run keeps the shards it started on; asked for another count, it would train
     # the old list without a word (and a finished run would do nothing), so say what to do instead.
-    used = args.work_dir / "train_data.json"
-    if (args.resume and args.n_shards is not None and not args.data_only and used.is_file()
-            and (args.work_dir / "train_state.pt").is_file()):
-        started = len(json.loads(used.read_text())["shards"])
-        if started != args.n_shards:
-            p.error(f"the training state in {args.work_dir} runs over {started} shards, not --n_shards "
-                    f"{args.n_shards}: drop --n_shards to continue it, or move "
-                    f"{args.work_dir / 'train_state.pt'} away to start a run over {args.n_shards}")
+    started = resumed_shards(args)
+    if started is not None and args.n_shards is not None and not args.data_only and len(started) != args.n_shards:
+        p.error(f"the training state in {args.work_dir} runs over {len(started)} shards, not --n_shards "
+                f"{args.n_shards}: drop --n_shards to continue it, or move "
+                f"{args.work_dir / 'train_state.pt'} away to start a run over {args.n_shards}")
     if args.init_from is not None and not (args.init_from / "draft.safetensors").is_file():
         p.error(f"--init_from {args.init_from}: no draft.safetensors there")
     preset = PRESETS[args.arch][args.preset]
@@ -1202,6 +1199,15 @@ def parse_args(argv=None):
     return args, preset
 
 
+def resumed_shards(args):
+    """The shard list of the training state in the work dir, which --resume keeps; None when there
+    is no state to resume."""
+    used = args.work_dir / "train_data.json"
+    if args.resume and used.is_file() and (args.work_dir / "train_state.pt").is_file():
+        return json.loads(used.read_text())["shards"]
+    return None
+
+
 def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     """Stages 1-2 of EAGLE-3: shards up to n_shards, their features, the training records, the draft
     vocabulary (chosen from the data, or `vocab`: the one of the head training starts from) and
@@ -1209,10 +1215,8 @@ def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     when resuming (a later session may have written more)."""
     layer_ids = eagle3_layer_ids(target.config.n_layer)
     make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
-    used = args.work_dir / "train_data.json"
-    if args.resume and used.is_file() and (args.work_dir / "train_state.pt").is_file():
-        shards = json.loads(used.read_text())["shards"]
-    else:
+    shards = resumed_shards(args)
+    if shards is None:
         shards = [f"conv_{n:05d}.npz" for n in range(preset.n_shards)]
     data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, preset.keep_top, shards)
     if not data["train"] or not data["val"]:
@@ -1234,8 +1238,8 @@ def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     if vocab is not None:
         info["vocab_from"] = str(args.init_from)
         info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(data["val"], vocab, V)
-    used.parent.mkdir(parents=True, exist_ok=True)
-    used.write_text(json.dumps({"shards": shards}))
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    (args.work_dir / "train_data.json").write_text(json.dumps({"shards": shards}))
     return data, choose_vocab(counts, preset.draft_vocab_size) if vocab is None else vocab, info
 
 
