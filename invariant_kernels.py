@@ -19,8 +19,8 @@ reduction order depends on nothing but the row:
 Each is a torch custom op (eagle_gpt_fast::...), so a compiled graph neither fuses into it nor
 retiles it, and it launches without a host sync (a CUDA graph captures it). use_invariant_kernels
 swaps a target's linears and norms for them; model.attention sends a WindowMask on CUDA to
-window_attention. The launch constants are untuned: no GPU has been lent to this project; they
-compile for sm_80/86/89/90 within each limit (tests/test_invariant_kernels.py). On a CPU the
+window_attention. The launch constants are untuned (the kernels ran on an H200 once, in the tests,
+untimed); they compile for sm_80/86/89/90 within each limit (tests/test_invariant_kernels.py). On a CPU the
 kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), as the tests do.
 """
 import os
@@ -138,7 +138,8 @@ def _rms_norm_kernel(X, W, Y, N, stride_x, stride_y, eps, BLOCK: tl.constexpr):
     ok = cols < N
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
     xf = x.to(tl.float32)
-    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)).to(x.dtype)
+    # eps in float32 as the eager norm adds it (a compiled graph passes a Python float as fp64)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + tl.cast(eps, tl.float32))).to(x.dtype)
     w = tl.load(W + cols, mask=ok, other=0.0)
     # as torch multiplies two 16-bit tensors: in float32, rounded once to the result's dtype
     tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
@@ -213,6 +214,7 @@ def _window_attention_kernel(
     block from slot 0, then the W + 1 recent positions in their order; every step depends on the
     query's own position only."""
     t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a compiled graph passes it as fp64 (tree_attention.py: why)
     kv = h // G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D

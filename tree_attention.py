@@ -274,7 +274,9 @@ def _tree_attention_kernel(
     q = tl.load(Q + b * stride_qb + head[:, None] * stride_qh + node[:, None] * stride_qt + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base, v_base = K + b * stride_kb + kv * stride_kh, V + b * stride_vb + kv * stride_vh
-    qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+    # float32 first: inside a torch.compile'd graph Inductor passes a Python float as fp64, which
+    # would turn the accumulator fp64 (a compile error) and change the rounding of compiled launches
+    qk_scale = tl.cast(sm_scale, tl.float32) * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -403,14 +403,20 @@ class Compiler:
         _, _, _, _, specialization, options = self._bind(launch, capability)
         return f"{launch.kernel}|{specialization}|{options}"
 
-    def compile(self, launch: Launch, capability: tuple) -> dict:
-        """shared (bytes), registers, spill stores (bytes) of the launch's binary, or error."""
+    def compile(self, launch: Launch, capability: tuple, float_args: str = "fp32") -> dict:
+        """shared (bytes), registers, spill stores (bytes) of the launch's binary, or error.
+        float_args: the type of the kernel's float scalar arguments. A direct launch passes Python
+        floats as fp32; inside a torch.compile'd graph Inductor passes them as fp64 on CUDA
+        (torch._inductor.codegen.triton_utils.signature_of), so "fp64" compiles what a compiled
+        graph runs."""
         import triton
         from triton import knobs
         from triton.compiler import ASTSource
 
         jit, backend, target, bound, specialization, options = self._bind(launch, capability)
         options, signature, constexprs, attrs = jit._pack_args(backend, launch.kwargs, bound, specialization, options)
+        if float_args != "fp32":  # scalars only: a float32 tensor's pointer is "*fp32"
+            signature = {name: float_args if kind == "fp32" else kind for name, kind in signature.items()}
         log = io.StringIO()
         start = time.perf_counter()
         try:

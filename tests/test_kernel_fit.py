@@ -146,3 +146,44 @@ def test_a_stopped_sweep_resumes_from_its_gather_cache(tmp_path):
     # a launch survives JSON: the compiler sees the same tensor dtypes and integers
     record = next(r for r in uncached if r[1] == "_tree_attention_kernel")
     assert kernel_fit.frozen(kernel_fit.thawed(json.loads(json.dumps(record)))) == record
+
+
+def test_kernels_compile_with_float_arguments_typed_as_torch_compile_types_them():
+    """Inside a torch.compile'd graph Inductor passes a user Triton kernel's Python float arguments
+    as fp64 on CUDA. On an H200 the tree-attention kernel then failed to compile in a compiled
+    round (its scale, fp64, made the float32 accumulator fp64 inside the loop). Every kernel with a
+    float argument (tree attention's and window attention's scale, the norm's eps) compiles for
+    sm_90 with it typed fp64, in each dtype, within the fp32-typed launch's shared memory and
+    without spills (the kernels cast it to float32 first, so eager and compiled launches compute
+    the same: the GPU test of the compiled round checks that)."""
+    rows = fresh_python("""
+        import json, torch, kernel_fit, tree_attention, invariant_kernels as ik
+        compiler = kernel_fit.Compiler()
+        compiler.modules["invariant_kernels"] = kernel_fit.compilable("invariant_kernels")
+        meta = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")
+        launches = []
+        with kernel_fit.recording((232448,)) as recorded:
+            for dtype in (torch.bfloat16, torch.float32):
+                for D, T, S in ((64, 16, 300), (128, 60, 4096)):
+                    tree_attention.tree_attention(meta(1, 8, T, D, dtype=dtype), meta(1, 4, S, D, dtype=dtype),
+                                                  meta(1, 4, S, D, dtype=dtype), meta(1, dtype=torch.long),
+                                                  meta(1, T, T, dtype=torch.bool))
+        launches += [l for l in recorded[232448] if l.kernel == "_tree_attention_kernel"]
+        t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            launches.append(kernel_fit.Launch("invariant_kernels", "_rms_norm_kernel",
+                (t(dtype), t(dtype), t(dtype), 576, 576, 576, 1e-5), dict(BLOCK=1024)))
+            launches.append(kernel_fit.Launch("invariant_kernels", "_window_attention_kernel",
+                (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype))
+                + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 64, 1 << 20, 1 << 18, 64, 16, 1, 528, 33, 1 << 16, 64, 64 * 64)
+                + (3, 33, 0.125), dict(D=64, BLOCK_D=64, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64,
+                                       num_warps=ik.ATTENTION_WARPS)))
+        rows = [dict(launch=kernel_fit.describe(l), fp32=compiler.compile(l, (9, 0)),
+                     fp64=compiler.compile(l, (9, 0), float_args="fp64")) for l in launches]
+        print(json.dumps(rows))
+    """)
+    assert len(rows) == 4 + 6
+    assert [(r["launch"], r["fp64"]["error"]) for r in rows if "error" in r["fp64"]] == []
+    for r in rows:
+        assert "error" not in r["fp32"], r
+        assert r["fp64"]["shared"] == r["fp32"]["shared"] and r["fp64"]["spill_stores"] == 0, r
