@@ -258,9 +258,10 @@ def invariant_cases(model, dtype, P, T, region):
     from model import TreeMask
 
     S, V = model.max_seq_length, model.config.vocab_size
+    dev = model.tok_embeddings.weight.device  # the inputs are drawn on the CPU (same draws anywhere), then moved
     ids = torch.randint(0, V, (1, P + T), generator=torch.Generator().manual_seed(1))
-    model(ids[:, :P], torch.arange(P))
-    steps = torch.cat([model(ids[:, P + i:P + i + 1], torch.tensor([P + i])) for i in range(T)], 1)
+    model(ids[:, :P].to(dev), torch.arange(P, device=dev))
+    steps = torch.cat([model(ids[:, P + i:P + i + 1].to(dev), torch.tensor([P + i], device=dev)) for i in range(T)], 1)
     cases = {}
     step = region // T
     orders = {"tree in order": list(range(T)), "tree spread": [i * step + step - 1 for i in range(T)],
@@ -272,7 +273,8 @@ def invariant_cases(model, dtype, P, T, region):
         for i, node in enumerate(order):
             tokens[0, node], depth[0, node] = ids[0, P + i], i
             visible[0, node, order[:i + 1]] = True
-        logits = model(tokens, P + depth, S - region + torch.arange(region), TreeMask(torch.tensor([P]), visible))
+        logits = model(tokens.to(dev), (P + depth).to(dev), S - region + torch.arange(region, device=dev),
+                       TreeMask(torch.tensor([P], device=dev), visible.to(dev)))
         cases[name] = logits[:, order]
     return steps, cases
 

@@ -230,3 +230,28 @@ def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
     assert torch.equal(steps, eager_steps)
     for case, logits in cases.items():
         assert torch.equal(logits, eager_cases[case]) and torch.equal(logits, steps), case
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_inductor_compiled_verify_gives_the_rows_of_compiled_steps_on_cuda(dtype):
+    """What --compile --batch_invariant runs on CUDA: the target compiled by Inductor through
+    speculative.compile_function (as rounds and steps are), the kernels opaque ops among Inductor's
+    fused ones, their float arguments passed as fp64 (tests/test_kernel_fit.py): every row of a
+    verify equals the compiled one-token step's logits bit for bit."""
+    import speculative
+
+    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to("cuda", dtype)
+    model.invariant_window = 32
+    model.setup_caches(1, 128)
+    torch._dynamo.reset()
+    eager_forward = model.forward
+    model.forward = speculative.compile_function(torch._dynamo.dont_skip_tracing(eager_forward), "cuda", [model])
+    try:
+        steps, cases = invariant_cases(model, dtype, 40, 12, 48)
+    finally:
+        model.forward = eager_forward
+        torch._dynamo.reset()
+    for case, logits in cases.items():
+        assert torch.equal(logits, steps), case
