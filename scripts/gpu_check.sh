@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU path of the project in one command, on a bare GPU machine: its own python3 with torch
-# and triton, nothing installable, no network. Under 9 minutes on one H100.
+# and triton, nothing installable, no network. Under 10 minutes on one H200 (first run there:
+# benchmarks/README.md, "GPU check").
 #
 #   bash scripts/gpu_check.sh OUT_DIR            the check; everything it writes goes under OUT_DIR
 #   bash scripts/gpu_check.sh --dry_run OUT_DIR  every stage's command only checks its arguments (no GPU)
@@ -9,14 +10,19 @@
 #
 # Stages, in this order, each with a time budget in seconds (what a stage leaves out is logged):
 #   1. pytest of every CUDA test: kernels against their references, the compiled round with the
-#      kernel, int8/int4 CUDA paths, greedy equality with vanilla in float32 (eagle, eagle2, eagle3)
-#   2. random weights, llama-2-7b and llama-3.1-8b shapes, bf16, compiled: vanilla decode GB/s next
-#      to a device copy, one round / one vanilla step for every method and tree sizes 16..128;
-#      then int8 and int4 g32 targets (quantized in memory); then a sweep of the kernels' launch
-#      constants (scripts/tune_kernels.py)
-#   3. SmolLM2-135M-Instruct with the shipped heads on an MT-bench subset: vanilla against every
-#      method, T=0 and T=1, speedup, tau, equality in float32 and bf16 (and bf16 with
-#      --batch_invariant: invariant_kernels.py, where every answer should equal vanilla's)
+#      kernel, int8/int4 CUDA paths, greedy equality with vanilla in float32 (eagle, eagle2, eagle3;
+#      SmolLM2 is joined first, so that these run)
+#   2. random weights, llama-2-7b and llama-3.1-8b shapes, bf16: vanilla decode GB/s next to a
+#      device copy, one round / one vanilla step for every method and tree sizes 16..128, all as
+#      CUDA-graph replays of the eager step and rounds (no Inductor: on the H200 a compiled 7B step
+#      and round took more than a minute to compile, and a 59 s budget measured nothing); then int8
+#      and int4 g32 targets (quantized in memory); then a sweep of the kernels' launch constants
+#      (scripts/tune_kernels.py)
+#   3. SmolLM2-135M-Instruct with the shipped heads on an MT-bench subset: float32 eager (every
+#      method, T=0: speedup, tau, equality), then bf16 compiled with --batch_invariant (eagle2:
+#      invariant_kernels.py, where every answer should equal vanilla's), then bf16 compiled (eagle2,
+#      eagle3). Each compiled run spends about a minute compiling first (55 s for SmolLM2's first
+#      graph on the H200), so stage 3 has the largest budget.
 # OUT_DIR ends up holding gpu_check.log (what ran, how long, what was skipped), summary.md (every
 # table) and details.tar.gz (each run's log, JSON and Markdown, pytest's XML): three files, as
 # few as a device call returns.
@@ -27,8 +33,9 @@
 # downloads/SmolLM2-135M-Instruct/ unless $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/
 # already holds a model.pth. Commands: benchmarks/README.md, "GPU check".
 #
-# Settings (environment): PYTHON (python3), STAGE1_S 140, STAGE2_S 230, STAGE3_S 140, TOTAL_S 540,
-# GPU_CHECK_PART_SIZE (40M), MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD
+# Settings (environment): PYTHON (python3), STAGE1_S 120, STAGE2_S 100, STAGE3_S 330, TOTAL_S 570,
+# GPU_CHECK_PART_SIZE (25M: the working tree is ~38 MB, and a call carries 64 MiB with it),
+# MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD
 # (heads/SmolLM2-135M-Instruct-eagle3: eagle3 runs when it exists).
 set -uo pipefail
 
@@ -39,11 +46,11 @@ PY="${PYTHON:-python3}"
 PARTS="${GPU_CHECK_PARTS:-downloads/parts}"
 DOWNLOADS="$(dirname "$PARTS")"
 GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
-PART_SIZE="${GPU_CHECK_PART_SIZE:-40M}"
-STAGE1_S="${STAGE1_S:-140}"
-STAGE2_S="${STAGE2_S:-230}"
-STAGE3_S="${STAGE3_S:-140}"
-TOTAL_S="${TOTAL_S:-540}"
+PART_SIZE="${GPU_CHECK_PART_SIZE:-25M}"
+STAGE1_S="${STAGE1_S:-120}"
+STAGE2_S="${STAGE2_S:-100}"
+STAGE3_S="${STAGE3_S:-330}"
+TOTAL_S="${TOTAL_S:-570}"
 EAGLE3_HEAD="${EAGLE3_HEAD:-heads/SmolLM2-135M-Instruct-eagle3}"
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -191,7 +198,12 @@ if [ "$DRY" = 1 ]; then
     done
     PREP_PID=""
 else
-    smollm2_checkpoint > "$CKPT_FILE" 2> "$OUT/details/prepare-smollm2.log" &
+    # the GGUF joined now (a second), so that stage 1's SmolLM2 tests find it; converted meanwhile
+    if [ -z "${SMOLLM2_GGUF:-}" ] && [ ! -f "checkpoints/.downloads/$GGUF_NAME" ]; then
+        [ -f "$DOWNLOADS/$GGUF_NAME" ] || join_gguf >> "$OUT/details/prepare-smollm2.log" 2>&1
+        [ -f "$DOWNLOADS/$GGUF_NAME" ] && export SMOLLM2_GGUF="$(cd "$DOWNLOADS" && pwd)/$GGUF_NAME"
+    fi
+    smollm2_checkpoint > "$CKPT_FILE" 2>> "$OUT/details/prepare-smollm2.log" &
     PREP_PID=$!
 fi
 
@@ -209,9 +221,9 @@ fi
 grep -E "passed|failed|error|no tests ran|collected" "$OUT/details/stage1-pytest.log" | tail -n 1 | while read -r line; do log "stage 1: $line"; done
 
 # --------------------------------------------------------------------------------------------
-# Stage 2: random weights. Each run compiles the vanilla step and its headline round (eagle2 at
-# 60 nodes); the other rounds are CUDA-graph replays of the eager round (no compile per size).
-# Shares of the stage budget, in order; a run stops starting rounds at its --time_budget.
+# Stage 2: random weights. The vanilla step and every round as CUDA-graph replays of the eager
+# ones (no compile: see the header). Shares of the stage budget, in order; a run stops starting
+# rounds at its --time_budget.
 # --------------------------------------------------------------------------------------------
 STAGE2_END=$(( SECONDS + $(min "$STAGE2_S" $(( $(left) - STAGE3_S ))) ))  # stage 3's budget stays reserved
 log "stage 2: random weights (budget $(( STAGE2_END - SECONDS )) s)"
@@ -219,7 +231,7 @@ stage2() {  # stage2 NAME SHARE_PERCENT ARGS...
     local name="$1" share="$2" budget
     shift 2
     budget=$(min $(( STAGE2_S * share / 100 )) $(( STAGE2_END - SECONDS )))
-    run "$name" "$budget" "$PY" scripts/benchmark.py --random_weights --device cuda --compile --compiled_rounds 1 \
+    run "$name" "$budget" "$PY" scripts/benchmark.py --random_weights --device cuda \
         --tree_sizes 16 32 60 128 --steps 50 --time_budget $(( budget > 40 ? budget - 25 : budget / 2 )) \
         --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
 }
@@ -234,7 +246,7 @@ run tune-kernels "$budget" "$PY" scripts/tune_kernels.py --time_budget $(( budge
 
 # --------------------------------------------------------------------------------------------
 # Stage 3: SmolLM2-135M-Instruct on MT-bench. Float32 eager for equality (every method, T=0),
-# then bf16 compiled for speed: eagle2 at T=0 and T=1 first, then the other methods at T=0.
+# then bf16 compiled in batch-invariant mode (issue 22), then bf16 compiled for speed.
 # --------------------------------------------------------------------------------------------
 log "stage 3: SmolLM2-135M-Instruct on MT-bench (budget $(min "$STAGE3_S" "$(left)") s)"
 [ -n "${PREP_PID:-}" ] && { wait "$PREP_PID" || log "stage 3: preparing SmolLM2 failed: $(tail -n 3 "$OUT/details/prepare-smollm2.log" | tr '\n' ' ')"; }
@@ -264,9 +276,11 @@ else
             --num_questions 8 --max_new_tokens 128 --no_plot --time_budget $(( budget > 40 ? budget - 20 : budget / 2 )) \
             --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
     }
-    stage3 mt_bench-smollm2-fp32-eager 25 --dtype float32 --temperatures 0 --methods "${OTHERS[@]}" eagle2
-    stage3 mt_bench-smollm2-bf16-eagle2 35 --dtype bfloat16 --compile --temperatures 0 1 --methods eagle2
-    stage3 mt_bench-smollm2-bf16-invariant 20 --dtype bfloat16 --compile --batch_invariant --temperatures 0 --methods eagle2
-    stage3 mt_bench-smollm2-bf16-others 20 --dtype bfloat16 --compile --temperatures 0 --methods "${OTHERS[@]}"
+    FAST=(eagle2)  # the compiled runs: each method's round is one more graph to compile
+    [ -f "$EAGLE3_HEAD/draft_config.json" ] && FAST+=(eagle3)
+    stage3 mt_bench-smollm2-fp32-eager 20 --dtype float32 --temperatures 0 --methods "${OTHERS[@]}" eagle2
+    # bf16 in batch-invariant mode right after float32 (issue 22: its answers should all equal vanilla's)
+    stage3 mt_bench-smollm2-bf16-invariant 35 --dtype bfloat16 --compile --batch_invariant --temperatures 0 --methods eagle2
+    stage3 mt_bench-smollm2-bf16 45 --dtype bfloat16 --compile --temperatures 0 --methods "${FAST[@]}"
 fi
 log "total $SECONDS s; OUT_DIR: gpu_check.log, summary.md, details.tar.gz"
