@@ -33,7 +33,7 @@
 # downloads/SmolLM2-135M-Instruct/ unless $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/
 # already holds a model.pth. Commands: benchmarks/README.md, "GPU check".
 #
-# Settings (environment): PYTHON (python3), STAGE1_S 120, STAGE2_S 100, STAGE3_S 330, TOTAL_S 570,
+# Settings (environment): PYTHON (python3), STAGE1_S 140, STAGE2_S 100, STAGE3_S 310, TOTAL_S 570,
 # GPU_CHECK_PART_SIZE (25M: the working tree is ~38 MB, and a call carries 64 MiB with it),
 # MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD
 # (heads/SmolLM2-135M-Instruct-eagle3: eagle3 runs when it exists).
@@ -47,9 +47,9 @@ PARTS="${GPU_CHECK_PARTS:-downloads/parts}"
 DOWNLOADS="$(dirname "$PARTS")"
 GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
 PART_SIZE="${GPU_CHECK_PART_SIZE:-25M}"
-STAGE1_S="${STAGE1_S:-120}"
+STAGE1_S="${STAGE1_S:-140}"
 STAGE2_S="${STAGE2_S:-100}"
-STAGE3_S="${STAGE3_S:-330}"
+STAGE3_S="${STAGE3_S:-310}"
 TOTAL_S="${TOTAL_S:-570}"
 EAGLE3_HEAD="${EAGLE3_HEAD:-heads/SmolLM2-135M-Instruct-eagle3}"
 
