@@ -361,6 +361,29 @@ def unavailable() -> str:
     return ""
 
 
+def invariant_launches(ik) -> list:
+    """batch-invariant mode's launches (invariant_kernels.py, passed as ik), in bfloat16, float16 and
+    float32: the linear with and without bias at one configuration a dtype, the norm at 8,192
+    (LLaMA-2-70B's width) columns, window attention at head_dim 64 and 128."""
+    t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")  # noqa: E731
+    launches = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for has_bias in (False, True):
+            launches.append(Launch("invariant_kernels", "_linear_kernel",
+                                   (t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536),
+                                   dict(HAS_BIAS=has_bias, **ik.linear_config(dtype))))
+        launches.append(Launch("invariant_kernels", "_rms_norm_kernel",
+                               (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
+        for D in (64, 128):
+            launches.append(Launch(
+                "invariant_kernels", "_window_attention_kernel",
+                (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype))
+                + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1, 528, 33, 1 << 16, 128, 64 * 128)
+                + (4, 33, 0.125),
+                dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, num_warps=ik.ATTENTION_WARPS)))
+    return launches
+
+
 def compilable(name: str):
     """The module `name` loaded afresh from its file with Triton's interpreter off, so that its
     kernels are JITFunctions (a test session may have imported it under TRITON_INTERPRET=1)."""

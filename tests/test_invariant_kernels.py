@@ -156,19 +156,7 @@ CHECK_FIT = r"""
 import json, torch, kernel_fit, invariant_kernels as ik
 compiler = kernel_fit.Compiler()
 compiler.modules["invariant_kernels"] = kernel_fit.compilable("invariant_kernels")
-t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")
-launches = []
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for has_bias in (False, True):
-        launches.append(kernel_fit.Launch("invariant_kernels", "_linear_kernel",
-            (t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536), dict(HAS_BIAS=has_bias, **ik.linear_config(dtype))))
-    launches.append(kernel_fit.Launch("invariant_kernels", "_rms_norm_kernel",
-        (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
-    for D in (64, 128):
-        launches.append(kernel_fit.Launch("invariant_kernels", "_window_attention_kernel",
-            (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype))
-            + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1, 528, 33, 1 << 16, 128, 64 * 128)
-            + (4, 33, 0.125), dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, num_warps=ik.ATTENTION_WARPS)))
+launches = kernel_fit.invariant_launches(ik)
 rows = []
 for name, capability in kernel_fit.TARGETS.items():
     limit = kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[capability]

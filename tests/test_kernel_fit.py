@@ -169,20 +169,13 @@ def test_kernels_compile_with_float_arguments_typed_as_torch_compile_types_them(
                                                   meta(1, 4, S, D, dtype=dtype), meta(1, dtype=torch.long),
                                                   meta(1, T, T, dtype=torch.bool))
         launches += [l for l in recorded[232448] if l.kernel == "_tree_attention_kernel"]
-        t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            launches.append(kernel_fit.Launch("invariant_kernels", "_rms_norm_kernel",
-                (t(dtype), t(dtype), t(dtype), 576, 576, 576, 1e-5), dict(BLOCK=1024)))
-            launches.append(kernel_fit.Launch("invariant_kernels", "_window_attention_kernel",
-                (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype))
-                + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 64, 1 << 20, 1 << 18, 64, 16, 1, 528, 33, 1 << 16, 64, 64 * 64)
-                + (3, 33, 0.125), dict(D=64, BLOCK_D=64, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64,
-                                       num_warps=ik.ATTENTION_WARPS)))
+        # batch-invariant mode's launches that take a float (the norm's eps, attention's scale)
+        launches += [l for l in kernel_fit.invariant_launches(ik) if l.kernel != "_linear_kernel"]
         rows = [dict(launch=kernel_fit.describe(l), fp32=compiler.compile(l, (9, 0)),
                      fp64=compiler.compile(l, (9, 0), float_args="fp64")) for l in launches]
         print(json.dumps(rows))
     """)
-    assert len(rows) == 4 + 6
+    assert len(rows) == 4 + 9
     assert [(r["launch"], r["fp64"]["error"]) for r in rows if "error" in r["fp64"]] == []
     for r in rows:
         assert "error" not in r["fp32"], r
