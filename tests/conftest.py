@@ -15,6 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, the Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when
+# @triton.jit decorates a function, its own triton.language helpers (tl.zeros, ...) included, that
+# is at `import triton`: so it is set here, before any test module imports triton. Set later, after
+# something imported triton (scripts/kernel_fit.py, imported by tests/test_kernel_fit.py when that
+# file runs first), the interpreted kernels fail ("Cannot call @triton.jit'd outside of the scope
+# of a kernel"). Triton reads it again at each launch, so it stays set for the session.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A few paragraphs to train the tiny tokenizers on: ordinary prose, digits, code, some unicode.

@@ -1,25 +1,17 @@
 """int8_matmul.py: the W8A16 Triton kernel against the matmul with the dequantized weight, and
 quantize.WeightOnlyInt8Linear choosing it on CUDA for several rows.
 
-Without a GPU the kernel runs in Triton's interpreter, set up as in tests/test_tree_attention.py
-(TRITON_INTERPRET before the import, a reload if quantize.py imported the module first). The
-interpreter has no bfloat16 tl.dot: bfloat16 is checked on CUDA only.
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
+before anything imports triton). The interpreter has no bfloat16 tl.dot: bfloat16 is checked on
+CUDA only.
 """
-import importlib
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 
+import int8_matmul
 import quantize
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # for the rest of the session: triton reads it again at launch
-import int8_matmul  # noqa: E402
-
-if not torch.cuda.is_available() and not int8_matmul.INTERPRETED:
-    importlib.reload(int8_matmul)  # quantize.py imported it before the variable was set: decorate again
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not int8_matmul.INTERPRETED,

@@ -3,11 +3,10 @@ equals a one-row call bit for bit (T = 1..64), the kernels agree with PyTorch's 
 model on them gives a verify's rows the bits of one-token steps, and every launch compiles for
 sm_80/86/89/90 within the shared-memory limit.
 
-Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET set before the import, as
-tests/test_tree_attention.py does). The interpreter has no bfloat16 tl.dot (triton-lang/triton#11584),
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
+before anything imports triton). The interpreter has no bfloat16 tl.dot (triton-lang/triton#11584),
 so the linear is checked there in float16 and float32; the norm and attention (no tl.dot) in all three.
 """
-import importlib
 import os
 import subprocess
 import sys
@@ -16,15 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+import invariant_kernels as ik
 import model as model_module
 from conftest import ROOT, invariant_cases, tiny_target
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # for the rest of the session: triton reads it again at launch
-import invariant_kernels as ik  # noqa: E402
-
-if not torch.cuda.is_available() and not ik.INTERPRETED:
-    importlib.reload(ik)  # imported before the variable was set: decorate again
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,10 @@
 """tree_attention.py: the fused Triton kernel against its PyTorch reference (SDPA over the dense
 mask), and the speculative round with the kernel against the SDPA path.
 
-Without a GPU the kernel runs in triton's interpreter. Triton reads TRITON_INTERPRET when
-@triton.jit decorates a kernel, that is when tree_attention is imported, and again when it
-launches one, so it is set before that import and left set. The interpreter
-has no bfloat16 tl.dot (it multiplies the raw bits: triton-lang/triton#11584), so bfloat16 is
-checked on CUDA only; float16 exercises the same 16-bit path on the CPU.
+Without a GPU the kernel runs in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
+before anything imports triton). The interpreter has no bfloat16 tl.dot (it multiplies the raw
+bits: triton-lang/triton#11584), so bfloat16 is checked on CUDA only; float16 exercises the same 16-bit path on the CPU.
 """
-import importlib
-import os
 import sys
 from unittest import mock
 
@@ -18,15 +14,9 @@ import torch
 import generate as gen
 import model
 import speculative
+import tree_attention
 from conftest import mirrored_pair, tiny_target
 from tree import mc_sim_7b_63, static_tree, tree_attention_mask, tree_structure
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # for the rest of the session: triton reads it again at launch
-import tree_attention  # noqa: E402
-
-if not torch.cuda.is_available() and not tree_attention.INTERPRETED:
-    importlib.reload(tree_attention)  # it was imported before the variable was set: decorate again
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not tree_attention.INTERPRETED,
@@ -238,7 +228,7 @@ def _note_traced(ctx):
 def kernel_calls(monkeypatch):
     """Switch model.py to the triton backend for one test; count the kernel's eager calls, and
     note in TRACED each compiled graph it is traced into."""
-    from torch._dynamo.comptime import comptime  # here: at the top, before TRITON_INTERPRET is set, it broke the interpreter
+    from torch._dynamo.comptime import comptime
 
     calls = []
     TRACED.clear()
