@@ -5,7 +5,6 @@ Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TR
 before anything imports triton). The interpreter has no bfloat16 tl.dot: bfloat16 is checked on
 CUDA only.
 """
-
 import pytest
 import torch
 import torch.nn as nn

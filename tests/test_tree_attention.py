@@ -3,13 +3,15 @@ mask), and the speculative round with the kernel against the SDPA path.
 
 Without a GPU the kernel runs in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
 before anything imports triton). The interpreter has no bfloat16 tl.dot (it multiplies the raw
-bits: triton-lang/triton#11584), so bfloat16 is checked on CUDA only; float16 exercises the same 16-bit path on the CPU.
+bits: triton-lang/triton#11584), so bfloat16 is checked on CUDA only; float16 exercises the same
+16-bit path on the CPU.
 """
 import sys
 from unittest import mock
 
 import pytest
 import torch
+from torch._dynamo.comptime import comptime
 
 import generate as gen
 import model
@@ -228,8 +230,6 @@ def _note_traced(ctx):
 def kernel_calls(monkeypatch):
     """Switch model.py to the triton backend for one test; count the kernel's eager calls, and
     note in TRACED each compiled graph it is traced into."""
-    from torch._dynamo.comptime import comptime
-
     calls = []
     TRACED.clear()
 
