@@ -118,12 +118,19 @@ def compile_decoding(device: str, compile_prefill: bool, model: Transformer):
     graphs. Settings are per function, not global, so that a speculative round compiled in the
     same process keeps its own (speculative.ROUND_OPTIONS)."""
     global decode_one_token, prefill
-    decode_one_token = compile_function(decode_one_token, device, (model,), options={
-        "triton.cudagraphs": True, "coordinate_descent_tuning": device.startswith("cuda") and not tp.active(),
-        "fx_graph_cache": True})
+    decode_one_token = compile_step(decode_one_token, device, model)
     if compile_prefill:
         prefill = compile_function(prefill, device, (model,), dynamic=True, options={"fx_graph_cache": True})
     set_tensor_parallel_flags()
+
+
+def compile_step(step, device: str, model: Transformer):
+    """step (decode_one_token's signature) compiled as compile_decoding compiles it: every plain
+    decoding that is timed beside another goes through here, so that none of them runs without
+    the CUDA graphs (a compiled SmolLM2 step without them took 6.7 ms on an H100, with them 1.1)."""
+    return compile_function(step, device, (model,), options={
+        "triton.cudagraphs": True, "coordinate_descent_tuning": device.startswith("cuda") and not tp.active(),
+        "fx_graph_cache": True})
 
 
 def set_tensor_parallel_flags():

@@ -458,7 +458,7 @@ def not_invariant(args, stop_ids, context: int) -> dict:
     Inductor settings), beside the invariant vanilla: the mode's cost, measured in the same run."""
     model = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype), args.shard)
     model.setup_caches(1, context)
-    step = speculative.compile_function(PLAIN_STEP, args.device, (model,)) if args.compile else PLAIN_STEP
+    step = gen.compile_step(PLAIN_STEP, args.device, model) if args.compile else PLAIN_STEP
 
     def plain(T):
         def decode(prompt_ids, max_new_tokens):
