@@ -163,8 +163,9 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
                   (torch's int8/int4 CPU kernels);
                   (eager float32 and float16 GEMMs gave every row of 8- and 30-row verifies apart)
     On CUDA the target runs on invariant_kernels.py's Triton kernels, in every dtype, eager or
-    compiled (proven in Triton's interpreter and compiled ahead of time: no GPU was lent to measure
-    it); quantized files and tensor parallelism have no invariant path there."""
+    compiled (proven in Triton's interpreter, compiled ahead of time, and on an H100: SmolLM2 in bf16
+    compiled, every greedy MT-bench answer equal); quantized files and tensor parallelism have no
+    invariant path there."""
     if tp.launched_by_torchrun():
         return "--batch_invariant is built for one process, not under torchrun"
     quantized = mode_from_path(checkpoint_path)[0]
@@ -189,8 +190,9 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     output equals plain decoding's in bfloat16 without asking. Compiled bf16 on a CPU without AMX
     (AMD EPYC, Zen 5, SmolLM2, the 4-token default tree; benchmarks/README.md): a step 16.9 against
     16.6 ms, a round 32.0 against 29.7 ms, MT-bench plain decoding 4.6 % slower. With AMX the step
-    cost 15 % (17.8 against 15.5 ms): off. Quantized files, float16/float32, eager runs and CUDA
-    were not timed against the 10 %: off until they are."""
+    cost 15 % (17.8 against 15.5 ms): off. On CUDA (an H100, SmolLM2 compiled in bf16) a step cost
+    67 % (1.82 against 1.09 ms) and a round ~20 %: off. Quantized files, float16/float32 and eager
+    runs were not timed against the 10 %: off until they are."""
     return (device == "cpu" and compile and dtype == "bfloat16" and mode_from_path(checkpoint_path)[0] is None
             and not torch.cpu._is_amx_tile_supported()
             and batch_invariant_problem(device, dtype, compile, checkpoint_path) is None)
