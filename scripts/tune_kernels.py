@@ -13,6 +13,13 @@ put in the code.
                    cast that quantize.py used for several rows before.
   int4             torch's int4 kernel against the dequantized weight with cuBLAS (compiled, as a
                    compiled run does), by rows: where quantize.CUDA_INT4_KERNEL_ROWS should sit.
+  invariant_linear batch-invariant mode's linear (invariant_kernels.LINEAR_CONFIG, 16-bit): whole
+                   launch settings, since one setting serves every row count (that is what makes
+                   it invariant), each timed at 1 row (a step) and 60 (a verify) on SmolLM2's and
+                   a 7B's layers against F.linear (cuBLAS), and checked: the last row of the
+                   60-row result equals that row computed alone, bit for bit. On an H100 the mode
+                   made SmolLM2's compiled step 67 % slower; this says how much the linear's
+                   setting can win back. First in the run, as the open question.
 Times are triton.testing.do_bench medians (ms). Every configuration is checked against its
 reference first. Each row also says what the kernel's launch_config made of the setting (it keeps
 a launch within the device's shared memory, with fewer stages or smaller blocks where a setting
@@ -47,6 +54,14 @@ TREE_CASES = [("7B verify", 32, 32, 128, 60, 60, 500), ("7B verify", 32, 32, 128
               ("7B draft level", 32, 32, 128, 10, 50, 1000)]
 TREE_CACHE = 4096
 INT8_ROWS = [10, 60]
+# invariant_kernels.LINEAR_CONFIG's 16-bit entry: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages),
+# the module's own first; smaller BLOCK_N / BLOCK_M give a one-row launch on narrow layers more
+# programs (576 columns in BLOCK_N 64: 9 programs for 132 SMs), longer BLOCK_K fewer serial steps
+INVARIANT_LINEAR_SETTINGS = [(16, 64, 64, 4, 3), (16, 32, 64, 4, 3), (16, 16, 64, 2, 3), (16, 32, 128, 4, 3),
+                             (16, 16, 128, 4, 4), (32, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3)]
+INVARIANT_ROWS = [1, 60]
+INVARIANT_SHAPES = [(576, 576, "SmolLM2 wq, wo"), (1536, 576, "SmolLM2 w1, w3"), (576, 1536, "SmolLM2 w2"),
+                    (49152, 576, "SmolLM2 output"), (4096, 4096, "7B wo"), (11008, 4096, "7B w1")]
 INT8_SHAPES = [(12288, 4096, "wqkv"), (4096, 11008, "w2")]  # (N, K, name): a 7B's layers
 
 
@@ -177,6 +192,37 @@ def int4_rows(deadline):
     return rows, False
 
 
+def invariant_linear_rows(deadline):
+    import invariant_kernels as ik
+
+    rows, g = [], torch.Generator(device="cuda").manual_seed(0)
+    default = ik.LINEAR_CONFIG[2]
+    settings = [default] + [s for s in INVARIANT_LINEAR_SETTINGS if s != default]
+    for N, K, name in INVARIANT_SHAPES:
+        w = torch.randn(N, K, device="cuda", generator=g).div_(K ** 0.5).bfloat16()
+        xs = torch.randn(max(INVARIANT_ROWS), K, device="cuda", generator=g).bfloat16()
+        for M in INVARIANT_ROWS:
+            x = xs[:M]
+            expected = F.linear(x.float(), w.float())
+            cublas_ms = ms(lambda: F.linear(x, w))
+            for setting in settings:
+                if time.perf_counter() > deadline:
+                    return rows, True
+                with constants(ik, {"LINEAR_CONFIG": {**ik.LINEAR_CONFIG, 2: setting}}):
+                    row = dict(case=f"{M} rows x {name} [{N}, {K}]",
+                               setting="defaults" if setting == default else
+                               "BLOCK_M={} BLOCK_N={} BLOCK_K={} num_warps={} num_stages={}".format(*setting),
+                               cublas_ms=cublas_ms)
+                    try:
+                        y = ik.invariant_linear(x, w)
+                        rows.append(dict(row, ms=ms(lambda: ik.invariant_linear(x, w)),
+                                         max_error=(y.float() - expected).abs().max().item(),
+                                         last_row_alone_equal=bool(torch.equal(y[-1:], ik.invariant_linear(x[-1:], w)))))
+                    except Exception as e:  # noqa: BLE001 - as in tree_attention_rows
+                        rows.append(dict(row, ms=does_not_fit(e)))
+    return rows, False
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Kernel sweeps, {report['hardware']}", "", f"- date: {report['date']}, torch {report['torch']}, "
              f"triton {report['triton']}", f"- command: `{report['command']}`", ""]
@@ -198,7 +244,8 @@ def markdown(report: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
-        print(f"dry run: {', '.join(f'{k} {v}' for k, v in SWEEPS.items())}; int4 at rows {INT4_ROWS}; out {args.out}",
+        print(f"dry run: invariant_linear settings {INVARIANT_LINEAR_SETTINGS} at rows {INVARIANT_ROWS}; "
+              f"{', '.join(f'{k} {v}' for k, v in SWEEPS.items())}; int4 at rows {INT4_ROWS}; out {args.out}",
               file=sys.stderr)
         return None
     import triton
@@ -208,7 +255,8 @@ def main(argv=None):
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   command="python scripts/tune_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   sections={}, left_out=[])
-    for section, measure in (("tree_attention", tree_attention_rows), ("int8_matmul", int8_rows), ("int4", int4_rows)):
+    for section, measure in (("invariant_linear", invariant_linear_rows), ("tree_attention", tree_attention_rows),
+                             ("int8_matmul", int8_rows), ("int4", int4_rows)):
         report["sections"][section], stopped = measure(deadline)
         if stopped:
             report["left_out"].append(section)

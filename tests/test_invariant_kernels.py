@@ -74,6 +74,26 @@ def test_linear_rows_do_not_depend_on_the_row_count(device, dtype, bias):
     assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x)
 
 
+@pytest.mark.parametrize("device, dtype", [c for c in LINEAR_CASES if c.values[1] == torch.float16])
+def test_the_linear_reads_its_setting_at_every_call(device, dtype, monkeypatch):
+    """scripts/tune_kernels.py sweeps whole 16-bit settings of LINEAR_CONFIG: under another one the
+    linear still computes F.linear and its rows still do not depend on the row count."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tune_kernels
+
+    setting = (16, 16, 64, 2, 3)
+    assert setting in tune_kernels.INVARIANT_LINEAR_SETTINGS and setting != ik.LINEAR_CONFIG[2]
+    monkeypatch.setitem(ik.LINEAR_CONFIG, 2, setting)
+    assert ik.linear_config(dtype)["BLOCK_N"] == 16
+    g = torch.Generator().manual_seed(1)
+    K, N = 200, 72
+    x = torch.randn(20, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    torch.testing.assert_close(ik.invariant_linear(x, w).float(), torch.nn.functional.linear(x, w).float(),
+                               atol=2e-2, rtol=2e-2)
+    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w), x, rows=range(1, 21))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_model_norm(device, dtype):
