@@ -54,15 +54,15 @@ TREE_CASES = [("7B verify", 32, 32, 128, 60, 60, 500), ("7B verify", 32, 32, 128
               ("7B draft level", 32, 32, 128, 10, 50, 1000)]
 TREE_CACHE = 4096
 INT8_ROWS = [10, 60]
+INT8_SHAPES = [(12288, 4096, "wqkv"), (4096, 11008, "w2")]  # (N, K, name): a 7B's layers
 # invariant_kernels.LINEAR_CONFIG's 16-bit entry: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages),
-# the module's own first; smaller BLOCK_N / BLOCK_M give a one-row launch on narrow layers more
+# timed after the module's own setting; smaller BLOCK_N / BLOCK_M give a one-row launch on narrow layers more
 # programs (576 columns in BLOCK_N 64: 9 programs for 132 SMs), longer BLOCK_K fewer serial steps
 INVARIANT_LINEAR_SETTINGS = [(16, 64, 64, 4, 3), (16, 32, 64, 4, 3), (16, 16, 64, 2, 3), (16, 32, 128, 4, 3),
                              (16, 16, 128, 4, 4), (32, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3)]
 INVARIANT_ROWS = [1, 60]
 INVARIANT_SHAPES = [(576, 576, "SmolLM2 wq, wo"), (1536, 576, "SmolLM2 w1, w3"), (576, 1536, "SmolLM2 w2"),
                     (49152, 576, "SmolLM2 output"), (4096, 4096, "7B wo"), (11008, 4096, "7B w1")]
-INT8_SHAPES = [(12288, 4096, "wqkv"), (4096, 11008, "w2")]  # (N, K, name): a 7B's layers
 
 
 def parse_args(argv=None):
