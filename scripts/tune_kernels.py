@@ -56,8 +56,9 @@ TREE_CACHE = 4096
 INT8_ROWS = [10, 60]
 INT8_SHAPES = [(12288, 4096, "wqkv"), (4096, 11008, "w2")]  # (N, K, name): a 7B's layers
 # invariant_kernels.LINEAR_CONFIG's 16-bit entry: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages),
-# timed after the module's own setting; smaller BLOCK_N / BLOCK_M give a one-row launch on narrow layers more
-# programs (576 columns in BLOCK_N 64: 9 programs for 132 SMs), longer BLOCK_K fewer serial steps
+# timed after the module's own setting; smaller BLOCK_N / BLOCK_M give a one-row launch on narrow
+# layers more programs (576 columns in BLOCK_N 64: 9 programs for 132 SMs), longer BLOCK_K fewer
+# serial steps
 INVARIANT_LINEAR_SETTINGS = [(16, 64, 64, 4, 3), (16, 32, 64, 4, 3), (16, 16, 64, 2, 3), (16, 32, 128, 4, 3),
                              (16, 16, 128, 4, 4), (32, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3)]
 INVARIANT_ROWS = [1, 60]
@@ -210,8 +211,7 @@ def invariant_linear_rows(deadline):
                     return rows, True
                 with constants(ik, {"LINEAR_CONFIG": {**ik.LINEAR_CONFIG, 2: setting}}):
                     row = dict(case=f"{M} rows x {name} [{N}, {K}]",
-                               setting="defaults" if setting == default else
-                               "BLOCK_M={} BLOCK_N={} BLOCK_K={} num_warps={} num_stages={}".format(*setting),
+                               setting="defaults" if setting == default else launch_text(ik.linear_config(x.dtype)),
                                cublas_ms=cublas_ms)
                     try:
                         y = ik.invariant_linear(x, w)
