@@ -1,0 +1,214 @@
+"""The most tokens a round could accept at a temperature, whatever the draft: the τ of a perfect
+draft, as a ceiling for a head's measured τ.
+
+    python scripts/acceptance_bound.py --num_questions 16 --max_new_tokens 128 --temperature 1 --stride 16 \\
+        --out benchmarks/acceptance_bound-SmolLM2-135M-Instruct-t1
+
+At T > 0 a round accepts its guesses by speculative.accept's walk, in which each step emits exactly
+a sample of the target. So what a round with tree S accepts is distributed as the longest prefix of
+the target's own continuation that S holds, and its expected length is the sum over S's nodes of
+the target's probability of that node's path (the product of its probabilities along it). The best
+tree of n nodes holds the n most probable paths (a path is never more probable than its prefix, so
+they form a tree), and
+
+    τ_max(n) = 1 + the sum of the n - 1 largest path probabilities below the root
+
+(the root, the token the last round emitted, is one of the n verified tokens; the 1 is the bonus
+token every round emits). No draft of any quality, trained on any data, reaches more with n-token
+trees on that context; EAGLE-2's trees (at most top_k children a node, at most depth levels) are
+further restricted, so --top_k/--max_depth give the bound for those too.
+
+Contexts: vanilla sampled answers (at --temperature, --seed) to MT-bench's turns, asked as
+scripts/benchmark.py asks them (turn 2 follows the turn-1 answer); a round is taken to start after
+every --stride-th answer token. (Measured τ averages over the contexts where rounds start; those
+are a subset of these positions, so the two averages differ slightly.) Writes OUT.json and OUT.md.
+"""
+import argparse
+import json
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import generate as gen  # noqa: E402
+from benchmark import DEFAULT_QUESTIONS, hardware_name, load_questions  # noqa: E402  (scripts/ is on the path)
+from checkpoint import load_model  # noqa: E402
+from model import Transformer  # noqa: E402
+from sampling import logits_to_probs  # noqa: E402
+
+
+@torch.no_grad()
+def best_paths(model: Transformer, context: list, n: int, temperature: float, top_k: Optional[int] = None,
+               max_depth: Optional[int] = None) -> list:
+    """The n most probable continuations of context (token ids, root last) under the target at
+    temperature, each with at most max_depth tokens and each token among its parent's top_k:
+    [(path probability, path tuple)], most probable first.
+
+    Found by expanding nodes in passes. Known paths: the children (the n most probable of the top_k)
+    of every expanded node, the root expanded first. Each pass takes S, the n most probable known
+    paths, and expands those of S not yet expanded, all in one forward (a tree mask: each node sees
+    the context and its ancestors). When every node of S is expanded, S is the answer: a path u
+    that is not known has a deepest known ancestor a; if a is expanded, u descends from a child
+    that n known children of a outrank; if not, a is outside S, so all n of S outrank a and its
+    descendants. A pass reaches one level deeper, so the passes number about the deepest path's
+    depth."""
+    device = model.norm.weight.device
+    L = len(context)
+    model.setup_caches(1, L + n + 1)
+    logits = model(torch.tensor([context], device=device), torch.arange(L, device=device))
+    children = {(): _top(logits[0, -1], temperature, top_k, n)}  # expanded path -> [(p, token)]
+    known = {(token,): p for p, token in children[()]}  # path -> its probability
+    while True:
+        # Most probable first; a parent before a child of equal probability (shorter first).
+        best = sorted(known, key=lambda path: (-known[path], len(path)))[:n]
+        new = [path for path in best if path not in children and (max_depth is None or len(path) < max_depth)]
+        if not new:
+            return [(known[path], path) for path in best]
+        for path, row in zip(new, _tree_forward(model, L, new)):
+            children[path] = _top(row, temperature, top_k, n)
+            known.update((path + (token,), known[path] * p) for p, token in children[path])
+
+
+def _top(logits: torch.Tensor, temperature: float, top_k: Optional[int], n: int) -> list:
+    """A node's children worth keeping: its n most probable tokens (of its top_k) as (p, token)."""
+    probs = logits_to_probs(logits, temperature)
+    values, tokens = probs.topk(min(n, top_k or n, probs.numel()))
+    return list(zip(values.tolist(), tokens.tolist()))
+
+
+def _tree_forward(model: Transformer, L: int, paths: list) -> torch.Tensor:
+    """The target's logits after each path [len(paths), V], in one forward over the union of the
+    paths' nodes: slot L + i holds node i, which sees the context (slots < L) and its ancestors."""
+    device = model.norm.weight.device
+    nodes = sorted({path[:d] for path in paths for d in range(1, len(path) + 1)}, key=len)
+    index = {node: i for i, node in enumerate(nodes)}
+    T, S = len(nodes), model.max_seq_length
+    if L + T > S:
+        model.setup_caches(1, L + T + 1)
+        S = model.max_seq_length
+    mask = torch.zeros(1, T, S, dtype=torch.bool, device=device)
+    mask[0, :, :L] = True
+    for i, node in enumerate(nodes):
+        for d in range(1, len(node) + 1):
+            mask[0, i, L + index[node[:d]]] = True
+    tokens = torch.tensor([[node[-1] for node in nodes]], device=device)
+    input_pos = torch.tensor([[L - 1 + len(node) for node in nodes]], device=device)
+    logits = model(tokens, input_pos, L + torch.arange(T, device=device)[None], mask)
+    return logits[0, [index[path] for path in paths]]
+
+
+def tau_bounds(probs: list, sizes) -> dict:
+    """τ_max for each tree size n (tokens verified, the root included) from the path
+    probabilities, most probable first."""
+    return {n: 1.0 + sum(probs[:n - 1]) for n in sizes}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
+    p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS)
+    p.add_argument("--num_questions", type=int, default=16, help="taken in turn from each category, as benchmark.py")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="per answer")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--stride", type=int, default=8, help="a context after every stride-th answer token")
+    p.add_argument("--sizes", nargs="+", type=int, default=[16, 60, 128], help="tree tokens, the root included")
+    p.add_argument("--restricted_tokens", type=int, default=60, help="the restricted bound's tree tokens")
+    p.add_argument("--top_k", type=int, default=10, help="the restricted bound: children a node")
+    p.add_argument("--max_depth", type=int, default=8, help="the restricted bound: levels below the root")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    if args.temperature <= 0:
+        p.error("--temperature must be > 0: at T=0 a perfect draft accepts every guess (no bound to compute)")
+    if args.stride < 1 or args.max_new_tokens < 1 or min(args.sizes + [args.restricted_tokens]) < 2:
+        p.error("--stride and --max_new_tokens must be >= 1, --sizes and --restricted_tokens >= 2")
+    if args.top_k < 1 or args.max_depth < 1:
+        p.error("--top_k and --max_depth must be >= 1")
+    return args
+
+
+def main(argv=None):
+    from tqdm import tqdm
+
+    from tokenizer import load_tokenizer
+
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model = load_model(args.checkpoint_path, "cpu", torch.float32)
+    tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    questions = load_questions(args.question_file, args.num_questions)
+    sizes, restricted_size = sorted(args.sizes), args.restricted_tokens
+    start, contexts = time.perf_counter(), []
+    for q in questions:
+        answers = []
+        for turn in range(len(q["turns"])):
+            messages = []
+            for i in range(turn + 1):
+                messages.append({"role": "user", "content": q["turns"][i]})
+                if i < turn:
+                    messages.append({"role": "assistant", "content": answers[i]})
+            prompt = tokenizer.apply_chat_template(messages)
+            model.setup_caches(1, len(prompt) + args.max_new_tokens)
+            answer = gen.generate(model, torch.tensor([prompt]), args.max_new_tokens, temperature=args.temperature,
+                                  stop_ids=tokenizer.stop_ids)[0]
+            answers.append(tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids]))
+            # A round's root is an emitted token that is not a stop token (after one, decoding ends).
+            for j in range(0, len(answer), args.stride):
+                if answer[j] not in tokenizer.stop_ids:
+                    contexts.append(dict(category=q["category"], ids=prompt + answer[:j + 1]))
+    rows = []
+    for c in tqdm(contexts, desc="contexts", file=sys.stderr):
+        free = [p for p, _ in best_paths(model, c["ids"], max(sizes) - 1, args.temperature)]
+        held = [p for p, _ in best_paths(model, c["ids"], restricted_size - 1, args.temperature, args.top_k,
+                                         args.max_depth)]
+        rows.append(dict(category=c["category"], free=tau_bounds(free, sizes),
+                         restricted=tau_bounds(held, [restricted_size])[restricted_size], first_guess=free[0]))
+    report = summarise(args, argv, rows, sizes, restricted_size, time.perf_counter() - start)
+    write(args.out, report)
+    print(Path(str(args.out) + ".md").read_text())
+
+
+def summarise(args, argv, rows, sizes, restricted_size, seconds) -> dict:
+    def mean(key, mine):
+        return sum(key(r) for r in mine) / len(mine)
+
+    restricted = f"tau_max_{restricted_size}_top{args.top_k}_depth{args.max_depth}"
+    by_category = {}
+    for cat in ["overall", *sorted({r["category"] for r in rows})]:
+        mine = [r for r in rows if cat == "overall" or r["category"] == cat]
+        by_category[cat] = {"contexts": len(mine)}
+        for n in sizes:
+            by_category[cat][f"tau_max_{n}"] = mean(lambda r: r["free"][n], mine)
+        by_category[cat][restricted] = mean(lambda r: r["restricted"], mine)
+        by_category[cat]["first_guess_accepted"] = mean(lambda r: r["first_guess"], mine)
+    return dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), hardware=hardware_name("cpu"), torch=torch.__version__,
+        command="python scripts/acceptance_bound.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        checkpoint=str(args.checkpoint_path), temperature=args.temperature, num_questions=args.num_questions,
+        max_new_tokens=args.max_new_tokens, stride=args.stride, seed=args.seed, seconds=round(seconds, 1),
+        by_category=by_category)
+
+
+def write(out: Path, report: dict):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    columns = [k for k in report["by_category"]["overall"] if k != "contexts"]
+    lines = [f"# The τ of a perfect draft, T={report['temperature']:g}", "",
+             f"{report['hardware']}, torch {report['torch']}, {report['date']}; {report['num_questions']} MT-bench "
+             f"questions, both turns, {report['max_new_tokens']} tokens, a context every {report['stride']} answer "
+             f"tokens, seed {report['seed']}.", "", f"    {report['command']}", "",
+             "| category | contexts | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for cat, r in report["by_category"].items():
+        lines.append(f"| {cat} | {r['contexts']} | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |")
+    Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""scripts/acceptance_bound.py: its search finds the n most probable paths (against enumerating
+every path), the sum it reports is what speculative.accept's walk accepts on average, and the
+script runs end to end on the tiny checkpoint."""
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, tiny_target
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import acceptance_bound  # noqa: E402
+from sampling import logits_to_probs  # noqa: E402
+from speculative import accept  # noqa: E402
+from tree import Tree, tree_structure  # noqa: E402
+
+CONTEXT = [3, 1, 4, 1, 2]
+
+
+def every_path(model, temperature, depth, top_k=None):
+    """{path: probability} of every continuation of CONTEXT up to depth tokens (each token among
+    its parent's top_k), each distribution from a plain causal forward over the whole sequence."""
+    model.setup_caches(1, 32)
+    probs, frontier = {(): 1.0}, [()]
+    for _ in range(depth):
+        nxt = []
+        for path in frontier:
+            ids = torch.tensor([CONTEXT + list(path)])
+            p = logits_to_probs(model(ids, torch.arange(ids.size(1)))[0, -1], temperature)
+            tokens = p.topk(top_k).indices.tolist() if top_k else range(p.numel())
+            for t in tokens:
+                probs[path + (t,)] = probs[path] * p[t].item()
+                nxt.append(path + (t,))
+        frontier = nxt
+    del probs[()]
+    return probs
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.3, None), (0.3, 2)])
+def test_best_paths_are_the_most_probable(temperature, top_k):
+    model = tiny_target(vocab_size=5)
+    depth, n = 4, 12
+    truth = every_path(model, temperature, depth, top_k)
+    want = sorted(truth.items(), key=lambda kv: -kv[1])[:n]
+    got = acceptance_bound.best_paths(model, CONTEXT, n, temperature, top_k, max_depth=depth)
+    assert [path for _, path in got] == [path for path, _ in want]
+    torch.testing.assert_close(torch.tensor([p for p, _ in got]), torch.tensor([p for _, p in want]))
+    if temperature == 0.3 and top_k is None:  # a sharp target: the best tree is deeper than one level
+        assert max(len(path) for _, path in got) >= 3
+
+
+def test_the_bound_is_what_the_acceptance_walk_accepts():
+    """Build the tree of the best paths, let speculative.accept walk it many times at T=1, and
+    compare the mean accepted length with the sum of the path probabilities."""
+    torch.manual_seed(0)
+    model = tiny_target(vocab_size=6)
+    best = acceptance_bound.best_paths(model, CONTEXT, 7, 1.0)
+    paths = [()] + sorted((path for _, path in best), key=len)  # parents before children, the root first
+    index = {path: i for i, path in enumerate(paths)}
+    parents = torch.tensor([[-1] + [index[path[:-1]] for path in paths[1:]]])
+    tokens = torch.tensor([[CONTEXT[-1]] + [path[-1] for path in paths[1:]]])
+    logits = torch.cat([model(torch.tensor([CONTEXT]), torch.arange(len(CONTEXT)))[0, -1:],
+                        acceptance_bound._tree_forward(model, len(CONTEXT), paths[1:])])
+    B = 40_000
+    tree = Tree(tokens.expand(B, -1), parents.expand(B, -1),
+                *tree_structure(parents.expand(B, -1), max(len(p) for p in paths)))
+    _, n_accepted, _ = accept(tree, logits[None].expand(B, -1, -1), 1.0)
+    expected = sum(p for p, _ in best)
+    spread = n_accepted.float().std().item() / B ** 0.5
+    assert abs(n_accepted.float().mean().item() - expected) < 4 * spread
+    assert acceptance_bound.tau_bounds([p for p, _ in best], [8])[8] == pytest.approx(1 + expected)
+
+
+def test_script_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
+    checkpoint, questions = tiny_checkpoint
+    out = tmp_path / "bound"
+    acceptance_bound.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions),
+                           "--num_questions", "2", "--max_new_tokens", "12", "--stride", "4", "--sizes", "4", "8",
+                           "--restricted_tokens", "8", "--top_k", "2", "--max_depth", "3", "--out", str(out)])
+    overall = json.loads(Path(str(out) + ".json").read_text())["by_category"]["overall"]
+    assert overall["contexts"] >= 2
+    assert 1.0 <= overall["tau_max_4"] <= overall["tau_max_8"] <= 8.0
+    assert 1.0 <= overall["tau_max_8_top2_depth3"] <= overall["tau_max_8"] + 1e-9
+    assert 0.0 < overall["first_guess_accepted"] <= 1.0
+    assert "| overall |" in Path(str(out) + ".md").read_text()
+
+
+@pytest.mark.parametrize("bad", [["--temperature", "0"], ["--stride", "0"], ["--sizes", "1"],
+                                 ["--restricted_tokens", "1"], ["--top_k", "0"]])
+def test_bad_arguments_are_refused(bad, tmp_path):
+    with pytest.raises(SystemExit):
+        acceptance_bound.parse_args(["--out", str(tmp_path / "x"), *bad])
