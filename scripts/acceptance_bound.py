@@ -155,7 +155,6 @@ def main(argv=None):
                 if i < turn:
                     messages.append({"role": "assistant", "content": answers[i]})
             prompt = tokenizer.apply_chat_template(messages)
-            model.setup_caches(1, len(prompt) + args.max_new_tokens)
             answer = gen.generate(model, torch.tensor([prompt]), args.max_new_tokens, temperature=args.temperature,
                                   stop_ids=tokenizer.stop_ids)[0]
             answers.append(tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids]))
