@@ -38,10 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import generate as gen  # noqa: E402
-from benchmark import DEFAULT_QUESTIONS, hardware_name, load_questions  # noqa: E402  (scripts/ is on the path)
+# scripts/ is on the path (this file's folder)
+from benchmark import DEFAULT_QUESTIONS, conversation, hardware_name, load_questions  # noqa: E402
 from checkpoint import load_model  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import Transformer, TreeMask  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
+from tree import tree_structure  # noqa: E402
 
 
 @torch.no_grad()
@@ -52,7 +54,7 @@ def best_paths(model: Transformer, context: list, n: int, temperature: float, to
     [(path probability, path tuple)], most probable first.
 
     Found by expanding nodes in passes. Known paths: the children (the n most probable of the top_k)
-    of every expanded node, the root expanded first. Each pass takes S, the n most probable known
+    of every expanded node, the root expanded first. Each later pass takes S, the n most probable known
     paths, and expands those of S not yet expanded, all in one forward (a tree mask: each node sees
     the context and its ancestors). When every node of S is expanded, S is the answer: a path u
     that is not known has a deepest known ancestor a; if a is expanded, u descends from a child
@@ -60,20 +62,24 @@ def best_paths(model: Transformer, context: list, n: int, temperature: float, to
     descendants. A pass reaches one level deeper, so the passes number about the deepest path's
     depth."""
     device = model.norm.weight.device
-    L = len(context)
-    model.setup_caches(1, L + n + 1)
-    logits = model(torch.tensor([context], device=device), torch.arange(L, device=device))
-    children = {(): _top(logits[0, -1], temperature, top_k, n)}  # expanded path -> [(p, token)]
-    known = {(token,): p for p, token in children[()]}  # path -> its probability
+    prefix = len(context) - 1  # the root, context[-1], is verified in the tree, as in a round
+    # A pass's tree is the root and at most n nodes of S (S is prefix-closed): these slots fit every
+    # pass, so the cache (and the prefix in it) is never reallocated.
+    model.setup_caches(1, prefix + n + 1)
+    if prefix:
+        model(torch.tensor([context[:-1]], device=device), torch.arange(prefix, device=device))
+    children = {}  # expanded path -> [(p, token)]
+    known = {(): 1.0}  # path -> its probability
+    new = [()]
     while True:
+        for path, row in zip(new, _tree_forward(model, context, new)):
+            children[path] = _top(row, temperature, top_k, n)
+            known.update((path + (token,), known[path] * p) for p, token in children[path])
         # Most probable first; a parent before a child of equal probability (shorter first).
-        best = sorted(known, key=lambda path: (-known[path], len(path)))[:n]
+        best = sorted((path for path in known if path), key=lambda path: (-known[path], len(path)))[:n]
         new = [path for path in best if path not in children and (max_depth is None or len(path) < max_depth)]
         if not new:
             return [(known[path], path) for path in best]
-        for path, row in zip(new, _tree_forward(model, L, new)):
-            children[path] = _top(row, temperature, top_k, n)
-            known.update((path + (token,), known[path] * p) for p, token in children[path])
 
 
 def _top(logits: torch.Tensor, temperature: float, top_k: Optional[int], n: int) -> list:
@@ -83,24 +89,19 @@ def _top(logits: torch.Tensor, temperature: float, top_k: Optional[int], n: int)
     return list(zip(values.tolist(), tokens.tolist()))
 
 
-def _tree_forward(model: Transformer, L: int, paths: list) -> torch.Tensor:
-    """The target's logits after each path [len(paths), V], in one forward over the union of the
-    paths' nodes: slot L + i holds node i, which sees the context (slots < L) and its ancestors."""
+def _tree_forward(model: Transformer, context: list, paths: list) -> torch.Tensor:
+    """The target's logits after each path [len(paths), V] (the empty path: after the root), in one
+    forward over the root and the paths' nodes, as Speculator.verify runs a round's tree: context[:-1]
+    is in the cache's first slots, the tree in its last ones under a TreeMask."""
     device = model.norm.weight.device
-    nodes = sorted({path[:d] for path in paths for d in range(1, len(path) + 1)}, key=len)
+    nodes = [()] + sorted({path[:d] for path in paths for d in range(1, len(path) + 1)}, key=len)
     index = {node: i for i, node in enumerate(nodes)}
-    T, S = len(nodes), model.max_seq_length
-    if L + T > S:
-        model.setup_caches(1, L + T + 1)
-        S = model.max_seq_length
-    mask = torch.zeros(1, T, S, dtype=torch.bool, device=device)
-    mask[0, :, :L] = True
-    for i, node in enumerate(nodes):
-        for d in range(1, len(node) + 1):
-            mask[0, i, L + index[node[:d]]] = True
-    tokens = torch.tensor([[node[-1] for node in nodes]], device=device)
-    input_pos = torch.tensor([[L - 1 + len(node) for node in nodes]], device=device)
-    logits = model(tokens, input_pos, L + torch.arange(T, device=device)[None], mask)
+    parents = torch.tensor([[-1] + [index[node[:-1]] for node in nodes[1:]]], device=device)
+    depth, ancestors, _ = tree_structure(parents, max(len(node) for node in nodes))
+    tokens = torch.tensor([[context[-1]] + [node[-1] for node in nodes[1:]]], device=device)
+    prefix, T = len(context) - 1, len(nodes)
+    logits = model(tokens, prefix + depth, model.max_seq_length - T + torch.arange(T, device=device)[None],
+                   TreeMask(torch.tensor([prefix], device=device), ancestors))
     return logits[0, [index[path] for path in paths]]
 
 
@@ -149,12 +150,7 @@ def main(argv=None):
     for q in questions:
         answers = []
         for turn in range(len(q["turns"])):
-            messages = []
-            for i in range(turn + 1):
-                messages.append({"role": "user", "content": q["turns"][i]})
-                if i < turn:
-                    messages.append({"role": "assistant", "content": answers[i]})
-            prompt = tokenizer.apply_chat_template(messages)
+            prompt = conversation(tokenizer, q, turn, answers)
             answer = gen.generate(model, torch.tensor([prompt]), args.max_new_tokens, temperature=args.temperature,
                                   stop_ids=tokenizer.stop_ids)[0]
             answers.append(tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids]))

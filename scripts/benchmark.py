@@ -499,6 +499,17 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
 
 
+def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
+    """The prompt ids of question q's turn (0-based): its user turns up to `turn`, each earlier one
+    followed by its answer in answers, in the chat template."""
+    messages = []
+    for i in range(turn + 1):
+        messages.append({"role": "user", "content": q["turns"][i]})
+        if i < turn:
+            messages.append({"role": "assistant", "content": answers[i]})
+    return tokenizer.apply_chat_template(messages)
+
+
 def run_mt_bench(args, argv=None) -> dict:
     from tqdm import tqdm
 
@@ -521,20 +532,12 @@ def run_mt_bench(args, argv=None) -> dict:
     questions = load_questions(args.question_file, args.num_questions)
     start = time.perf_counter()
 
-    def conversation(q, turn, answers):  # the user turns up to `turn`, each followed by its answer
-        messages = []
-        for i in range(turn + 1):
-            messages.append({"role": "user", "content": q["turns"][i]})
-            if i < turn:
-                messages.append({"role": "assistant", "content": answers[i]})
-        return tokenizer.apply_chat_template(messages)
-
     # Room for the longest conversation: every turn, each answer up to max_new_tokens (plus slack
     # for an answer that re-encodes into more tokens than it was generated as).
-    longest = max(len(conversation(q, len(q["turns"]) - 1, [""] * len(q["turns"]))) for q in questions)
+    longest = max(len(conversation(tokenizer, q, len(q["turns"]) - 1, [""] * len(q["turns"]))) for q in questions)
     most_turns = max(len(q["turns"]) for q in questions)
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
-    probe_ids = conversation(questions[0], 0, [])
+    probe_ids = conversation(tokenizer, questions[0], 0, [])
     peers = build_peers(args, model, tokenizer.stop_ids) if args.peers else {}  # from the plain weights
     if not args.compile:  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
         for module in (model, *drafts.values()):
@@ -573,7 +576,7 @@ def run_mt_bench(args, argv=None) -> dict:
         for T in args.temperatures:
             replies = []  # vanilla's answers: the conversation every method continues
             for turn in range(len(q["turns"])):
-                prompt_ids = conversation(q, turn, replies)
+                prompt_ids = conversation(tokenizer, q, turn, replies)
                 max_new = min(args.max_new_tokens, context - len(prompt_ids))
                 if max_new < 1:
                     raise ValueError(f"question {q['question_id']} turn {turn + 1} does not fit the {context}-token context")

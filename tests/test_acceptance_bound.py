@@ -1,7 +1,6 @@
 """scripts/acceptance_bound.py: its search finds the n most probable paths (against enumerating
 every path), the sum it reports is what speculative.accept's walk accepts on average, and the
 script runs end to end on the tiny checkpoint."""
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -63,8 +62,8 @@ def test_the_bound_is_what_the_acceptance_walk_accepts():
     index = {path: i for i, path in enumerate(paths)}
     parents = torch.tensor([[-1] + [index[path[:-1]] for path in paths[1:]]])
     tokens = torch.tensor([[CONTEXT[-1]] + [path[-1] for path in paths[1:]]])
-    logits = torch.cat([model(torch.tensor([CONTEXT]), torch.arange(len(CONTEXT)))[0, -1:],
-                        acceptance_bound._tree_forward(model, len(CONTEXT), paths[1:])])
+    model(torch.tensor([CONTEXT[:-1]]), torch.arange(len(CONTEXT) - 1))  # the prefix; the root is in the tree
+    logits = acceptance_bound._tree_forward(model, CONTEXT, paths)
     B = 40_000
     tree = Tree(tokens.expand(B, -1), parents.expand(B, -1),
                 *tree_structure(parents.expand(B, -1), max(len(p) for p in paths)))
