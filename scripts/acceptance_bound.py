@@ -20,8 +20,15 @@ further restricted, so --top_k/--max_depth give the bound for those too.
 
 Contexts: vanilla sampled answers (at --temperature, --seed) to MT-bench's turns, asked as
 scripts/benchmark.py asks them (turn 2 follows the turn-1 answer); a round is taken to start after
-every --stride-th answer token. (Measured τ averages over the contexts where rounds start; those
-are a subset of these positions, so the two averages differ slightly.) Writes OUT.json and OUT.md.
+every --stride-th answer token. These are averages over positions; a measured τ averages over
+rounds, and rounds are denser where guesses fail (a round that accepts little is soon followed by
+the next), so a measured τ sits below the same head's average over positions (by about 10 % for the
+EAGLE-3 head at T=1: benchmarks/README.md). Compare heads with bounds here, on the same contexts.
+Writes OUT.json and OUT.md.
+
+With --head, also the τ a head's tree (the restricted bound's shape) has on the same contexts on
+average, by the same sum over its nodes: exact for each tree, so heads, shapes and settings compare
+without the sampling noise of a measured τ.
 """
 import argparse
 import json
@@ -43,6 +50,7 @@ from benchmark import DEFAULT_QUESTIONS, conversation, hardware_name, load_quest
 from checkpoint import load_model  # noqa: E402
 from model import Transformer, TreeMask  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
+from speculative import Speculator  # noqa: E402
 from tree import tree_structure  # noqa: E402
 
 
@@ -105,6 +113,36 @@ def _tree_forward(model: Transformer, context: list, paths: list) -> torch.Tenso
     return logits[0, [index[path] for path in paths]]
 
 
+@torch.no_grad()
+def head_tree_tau(spec: Speculator, context: list) -> float:
+    """The τ a round of spec (its draft and tree shape) has on average at context (root last), at
+    spec's temperature: 1 + the sum over its tree's nodes below the root of the target's
+    probability of the node's path (the same argument as for the bound; at T=0 the probability
+    is 1 on the greedy path, so this is the number of guesses the round accepts, plus 1). Exact
+    for this tree: no sampling noise, unlike a measured τ."""
+    device = spec.target.norm.weight.device
+    # Fresh caches sized for this context: best_paths resizes the target's cache between calls.
+    spec.setup(1, len(context) + 2 * (spec.depth + 1))
+    spec.prefill(torch.tensor([context[:-1]], device=device), spec.depth + 1)
+    # The round's root is context's last token, where prefill put the token it sampled.
+    root, L = context[-1], len(context) - 1
+    spec.root.fill_(root)
+    spec.history[:, L] = root
+    spec.cu_tokens[:, 0] = root
+    tree = spec.grow(spec.catch_up())
+    logits, _ = spec.verify(tree)
+    temperature, top_k, top_p = spec.sampling
+    if temperature == 0:
+        p = torch.nn.functional.one_hot(logits[0].argmax(-1), logits.size(-1)).float()
+    else:
+        p = logits_to_probs(logits[0], temperature, top_k, top_p)  # [N, V]: after each node
+    edge = p[tree.parents[0].clamp(min=0), tree.tokens[0]]  # each node's probability given its parent
+    edge[0] = 1.0  # the root was already emitted
+    paths = tree.paths[0]
+    path_prob = torch.where(paths >= 0, edge[paths.clamp(min=0)], 1.0).prod(-1)
+    return 1.0 + path_prob[1:].sum().item()
+
+
 def tau_bounds(probs: list, sizes) -> dict:
     """τ_max for each tree size n (tokens verified, the root included) from the path
     probabilities, most probable first."""
@@ -123,6 +161,9 @@ def parse_args(argv=None):
     p.add_argument("--restricted_tokens", type=int, default=60, help="the restricted bound's tree tokens")
     p.add_argument("--top_k", type=int, default=10, help="the restricted bound: children a node")
     p.add_argument("--max_depth", type=int, default=8, help="the restricted bound: levels below the root")
+    p.add_argument("--head", type=Path, default=None,
+                   help="a draft head: also report the mean τ of its trees (the restricted bound's shape) on the "
+                        "same contexts, exact for each tree (no sampling noise)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
@@ -138,6 +179,7 @@ def parse_args(argv=None):
 def main(argv=None):
     from tqdm import tqdm
 
+    from checkpoint import load_draft
     from tokenizer import load_tokenizer
 
     args = parse_args(argv)
@@ -146,18 +188,12 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     questions = load_questions(args.question_file, args.num_questions)
     sizes, restricted_size = sorted(args.sizes), args.restricted_tokens
-    start, contexts = time.perf_counter(), []
-    for q in questions:
-        answers = []
-        for turn in range(len(q["turns"])):
-            prompt = conversation(tokenizer, q, turn, answers)
-            answer = gen.generate(model, torch.tensor([prompt]), args.max_new_tokens, temperature=args.temperature,
-                                  stop_ids=tokenizer.stop_ids)[0]
-            answers.append(tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids]))
-            # A round's root is an emitted token that is not a stop token (after one, decoding ends).
-            for j in range(0, len(answer), args.stride):
-                if answer[j] not in tokenizer.stop_ids:
-                    contexts.append(dict(category=q["category"], ids=prompt + answer[:j + 1]))
+    start = time.perf_counter()
+    contexts = sampled_contexts(model, tokenizer, questions, args.max_new_tokens, args.temperature, args.stride)
+    spec = None
+    if args.head is not None:  # its tree has the restricted bound's shape
+        spec = Speculator(model, load_draft(args.head, model.config), tree_top_k=args.top_k, tree_depth=args.max_depth,
+                          tree_tokens=restricted_size, temperature=args.temperature)
     rows = []
     for c in tqdm(contexts, desc="contexts", file=sys.stderr):
         free = [p for p, _ in best_paths(model, c["ids"], max(sizes) - 1, args.temperature)]
@@ -165,9 +201,30 @@ def main(argv=None):
                                          args.max_depth)]
         rows.append(dict(category=c["category"], free=tau_bounds(free, sizes),
                          restricted=tau_bounds(held, [restricted_size])[restricted_size], first_guess=free[0]))
+        if spec is not None:
+            rows[-1]["head"] = head_tree_tau(spec, c["ids"])
     report = summarise(args, argv, rows, sizes, restricted_size, time.perf_counter() - start)
     write(args.out, report)
     print(Path(str(args.out) + ".md").read_text())
+
+
+def sampled_contexts(model: Transformer, tokenizer, questions: list, max_new_tokens: int, temperature: float,
+                     stride: int) -> list:
+    """[dict(category, ids)]: vanilla's answers at temperature to each question's turns, asked as
+    benchmark.py asks them, cut after every stride-th answer token."""
+    contexts = []
+    for q in questions:
+        answers = []
+        for turn in range(len(q["turns"])):
+            prompt = conversation(tokenizer, q, turn, answers)
+            answer = gen.generate(model, torch.tensor([prompt]), max_new_tokens, temperature=temperature,
+                                  stop_ids=tokenizer.stop_ids)[0]
+            answers.append(tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids]))
+            # A round's root is an emitted token that is not a stop token (after one, decoding ends).
+            for j in range(0, len(answer), stride):
+                if answer[j] not in tokenizer.stop_ids:
+                    contexts.append(dict(category=q["category"], ids=prompt + answer[:j + 1]))
+    return contexts
 
 
 def summarise(args, argv, rows, sizes, restricted_size, seconds) -> dict:
@@ -182,11 +239,14 @@ def summarise(args, argv, rows, sizes, restricted_size, seconds) -> dict:
         for n in sizes:
             by_category[cat][f"tau_max_{n}"] = mean(lambda r: r["free"][n], mine)
         by_category[cat][restricted] = mean(lambda r: r["restricted"], mine)
+        if "head" in rows[0]:
+            by_category[cat]["head_" + restricted.removeprefix("tau_max_")] = mean(lambda r: r["head"], mine)
         by_category[cat]["first_guess_accepted"] = mean(lambda r: r["first_guess"], mine)
     return dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), hardware=hardware_name("cpu"), torch=torch.__version__,
         command="python scripts/acceptance_bound.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        checkpoint=str(args.checkpoint_path), temperature=args.temperature, num_questions=args.num_questions,
+        checkpoint=str(args.checkpoint_path), head=None if args.head is None else str(args.head),
+        temperature=args.temperature, num_questions=args.num_questions,
         max_new_tokens=args.max_new_tokens, stride=args.stride, seed=args.seed, seconds=round(seconds, 1),
         by_category=by_category)
 

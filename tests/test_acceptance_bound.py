@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_target
+from conftest import ROOT, mirrored_pair, tiny_target
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import acceptance_bound  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
-from speculative import accept  # noqa: E402
+from speculative import Speculator, accept  # noqa: E402
 from tree import Tree, tree_structure  # noqa: E402
 
 CONTEXT = [3, 1, 4, 1, 2]
@@ -74,16 +74,43 @@ def test_the_bound_is_what_the_acceptance_walk_accepts():
     assert acceptance_bound.tau_bounds([p for p, _ in best], [8])[8] == pytest.approx(1 + expected)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_head_tree_tau_is_what_the_round_accepts(temperature):
+    """head_tree_tau's sum over the head's tree equals the mean accepted length of
+    speculative.accept's walk over that tree (exactly at T=0), and the tree grows from the
+    context's own last token."""
+    torch.manual_seed(0)
+    target, draft = mirrored_pair(sharpness=2.0)
+    spec = Speculator(target, draft, tree_top_k=3, tree_depth=4, tree_tokens=12, temperature=temperature)
+    context = [3, 1, 4, 1, 5, 9, 2, 6]
+    tau = acceptance_bound.head_tree_tau(spec, context)
+    tree = spec.grow(spec.catch_up())  # the same round again: the catch-up rewrites the same entries
+    logits, _ = spec.verify(tree)
+    assert tree.tokens[0, 0].item() == context[-1]
+    plain = target.setup_caches(1, 32) or target(torch.tensor([context]), torch.arange(len(context)))
+    torch.testing.assert_close(logits[0, 0], plain[0, -1], atol=1e-4, rtol=1e-4)
+    B = 1 if temperature == 0 else 40_000
+    _, n_accepted, _ = accept(Tree(*(t.expand(B, *t.shape[1:]) for t in tree)), logits.expand(B, -1, -1), temperature)
+    if temperature == 0:
+        assert tau == 1 + n_accepted.item() and tau > 2  # the mirrored draft's guesses are mostly right
+    else:
+        spread = n_accepted.float().std().item() / B ** 0.5
+        assert abs(1 + n_accepted.float().mean().item() - tau) < 4 * spread
+
+
 def test_script_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
     checkpoint, questions = tiny_checkpoint
     out = tmp_path / "bound"
     acceptance_bound.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions),
                            "--num_questions", "2", "--max_new_tokens", "12", "--stride", "4", "--sizes", "4", "8",
-                           "--restricted_tokens", "8", "--top_k", "2", "--max_depth", "3", "--out", str(out)])
+                           "--restricted_tokens", "8", "--top_k", "2", "--max_depth", "3", "--head",
+                           str(checkpoint.parent / "eagle"), "--out", str(out)])
     overall = json.loads(Path(str(out) + ".json").read_text())["by_category"]["overall"]
     assert overall["contexts"] >= 2
     assert 1.0 <= overall["tau_max_4"] <= overall["tau_max_8"] <= 8.0
     assert 1.0 <= overall["tau_max_8_top2_depth3"] <= overall["tau_max_8"] + 1e-9
+    # No head's tree of that shape holds more than the best one (the mirrored head's guesses get accepted).
+    assert 1.0 < overall["head_8_top2_depth3"] <= overall["tau_max_8_top2_depth3"] + 1e-6
     assert 0.0 < overall["first_guess_accepted"] <= 1.0
     assert "| overall |" in Path(str(out) + ".md").read_text()
 
