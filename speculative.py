@@ -183,15 +183,18 @@ class Speculator(nn.Module):
         ).items():
             self.register_buffer(name, value, persistent=False)
 
-    def prefill(self, prompt: Tensor, max_new_tokens: int):
-        """Target and draft read the prompt [B, L]; the first new token is sampled exactly as in vanilla decoding."""
+    def prefill(self, prompt: Tensor, max_new_tokens: int, root: Optional[Tensor] = None):
+        """Target and draft read the prompt [B, L]; the first new token is sampled exactly as in
+        vanilla decoding, or is root [B] where the caller chose it (scripts/acceptance_bound.py
+        looks at the round that starts after a given text)."""
         B, L = prompt.shape
         if L + max_new_tokens + 2 * (self.depth + 1) > self.capacity or B != self.out.size(0):
             self.setup(B, L + max_new_tokens + 2 * (self.depth + 1))  # room for the last round's overshoot
         target, device = self.target, prompt.device
         logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
                                              layer_ids=self.layer_ids)
-        root = sample(logits[:, -1], *self.sampling)
+        if root is None:
+            root = sample(logits[:, -1], *self.sampling)
         self.cu_tokens.zero_()
         self.cu_features.zero_()
         if self.draft is not None:

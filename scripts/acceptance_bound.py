@@ -121,14 +121,8 @@ def head_tree_tau(spec: Speculator, context: list) -> float:
     is 1 on the greedy path, so this is the number of guesses the round accepts, plus 1). Exact
     for this tree: no sampling noise, unlike a measured τ."""
     device = spec.target.norm.weight.device
-    # Fresh caches sized for this context: best_paths resizes the target's cache between calls.
-    spec.setup(1, len(context) + 2 * (spec.depth + 1))
-    spec.prefill(torch.tensor([context[:-1]], device=device), spec.depth + 1)
-    # The round's root is context's last token, where prefill put the token it sampled.
-    root, L = context[-1], len(context) - 1
-    spec.root.fill_(root)
-    spec.history[:, L] = root
-    spec.cu_tokens[:, 0] = root
+    spec.prefill(torch.tensor([context[:-1]], device=device), spec.depth + 1,
+                 root=torch.tensor([context[-1]], device=device))
     tree = spec.grow(spec.catch_up())
     logits, _ = spec.verify(tree)
     temperature, top_k, top_p = spec.sampling
@@ -188,12 +182,15 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     questions = load_questions(args.question_file, args.num_questions)
     sizes, restricted_size = sorted(args.sizes), args.restricted_tokens
+    spec = None
+    if args.head is not None:  # its tree has the restricted bound's shape; refused before minutes of decoding
+        try:
+            spec = Speculator(model, load_draft(args.head, model.config), tree_top_k=args.top_k,
+                              tree_depth=args.max_depth, tree_tokens=restricted_size, temperature=args.temperature)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"acceptance_bound.py: --head: {e}")
     start = time.perf_counter()
     contexts = sampled_contexts(model, tokenizer, questions, args.max_new_tokens, args.temperature, args.stride)
-    spec = None
-    if args.head is not None:  # its tree has the restricted bound's shape
-        spec = Speculator(model, load_draft(args.head, model.config), tree_top_k=args.top_k, tree_depth=args.max_depth,
-                          tree_tokens=restricted_size, temperature=args.temperature)
     rows = []
     for c in tqdm(contexts, desc="contexts", file=sys.stderr):
         free = [p for p, _ in best_paths(model, c["ids"], max(sizes) - 1, args.temperature)]

@@ -120,3 +120,15 @@ def test_script_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
 def test_bad_arguments_are_refused(bad, tmp_path):
     with pytest.raises(SystemExit):
         acceptance_bound.parse_args(["--out", str(tmp_path / "x"), *bad])
+
+
+@pytest.mark.parametrize("head, shape", [("missing", []), ("eagle", ["--restricted_tokens", "60", "--top_k", "2",
+                                                                      "--max_depth", "3"])])
+def test_a_bad_head_is_refused_in_one_line(tiny_checkpoint, tmp_path, head, shape):
+    """No head there, or a tree shape the Speculator cannot grow (60 tokens from 2 children a node
+    over 3 levels): a one-line error before any decoding."""
+    checkpoint, questions = tiny_checkpoint
+    with pytest.raises(SystemExit, match="--head: "):
+        acceptance_bound.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions),
+                               "--head", str(checkpoint.parent / head), *shape, "--out", str(tmp_path / "x")])
+
