@@ -674,6 +674,30 @@ def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch
         draft.norm.weight.copy_(norm_weight)
 
 
+def widen_vocab(draft: Eagle3Draft, counts: torch.Tensor, size: int, head_weight: torch.Tensor) -> Eagle3Draft:
+    """A copy of a trained EAGLE-3 draft over `size` tokens: its own vocabulary plus the most
+    frequent answer tokens (counts, as choose_vocab) it lacks. Its trained LM-head rows are kept;
+    a new token's row starts as the target's output row (head_weight [vocab, dim]), warm_start's
+    rule, so a wider head starts from what the narrow one learned instead of from scratch."""
+    old = draft.vocab.cpu()
+    if not old.numel() <= size <= counts.numel():
+        raise ValueError(f"can widen a {old.numel()}-token draft vocabulary to {old.numel()}..{counts.numel()} "
+                         f"tokens, not {size}")
+    counts = counts.clone()
+    counts[old] = -1  # already drafted: ranked after every token it lacks
+    extra = choose_vocab(counts, size - old.numel())
+    vocab, order = torch.cat([old, extra]).sort()  # vocab stays ascending
+    weight = draft.lm_head.weight
+    rows = torch.cat([weight.detach().cpu(), head_weight[extra].detach().cpu().to(weight.dtype)])[order]
+    wide = copy.deepcopy(draft)
+    wide.draft_vocab_size = size
+    wide.lm_head = torch.nn.Linear(weight.size(1), size, bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        wide.lm_head.weight.copy_(rows)
+    wide.vocab = vocab.to(draft.vocab.device)  # (a registered buffer: saved with the head)
+    return wide
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage 3: training
 # ---------------------------------------------------------------------------------------------
@@ -1160,7 +1184,8 @@ def parse_args(argv=None):
     p.add_argument("--init_from", type=Path, default=None,
                    help="start from this trained head (a folder with draft.safetensors, e.g. OUT_DIR itself) "
                         "instead of a fresh one, with a fresh optimizer and schedule: how a head goes on "
-                        "learning from more data. eagle3: its draft vocabulary is kept")
+                        "learning from more data. eagle3: its draft vocabulary is kept, or widened to a larger "
+                        "--draft_vocab_size (new rows from the target's LM head)")
     p.add_argument("--tau_prompts", type=int, default=6, help="validation prompts decoded for tau at each validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab_report", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
@@ -1265,10 +1290,13 @@ def main(argv=None):
             kind = "an EAGLE-3" if isinstance(init, Eagle3Draft) else "an EAGLE-1/2"
             raise SystemExit(f"--init_from {args.init_from} holds {kind} head, not one for --arch {args.arch}")
         if eagle3:
-            if args.draft_vocab_size not in (None, init.draft_vocab_size):
-                raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens, not "
-                                 f"--draft_vocab_size {args.draft_vocab_size}")
-            preset = replace(preset, draft_vocab_size=init.draft_vocab_size)
+            # A larger --draft_vocab_size widens the head (widen_vocab, once the data's token counts are
+            # known); a smaller one would throw trained rows away: refused.
+            if args.draft_vocab_size is not None and args.draft_vocab_size < init.draft_vocab_size:
+                raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens; "
+                                 f"--draft_vocab_size {args.draft_vocab_size} would drop some (only widening is "
+                                 f"supported)")
+            preset = replace(preset, draft_vocab_size=args.draft_vocab_size or init.draft_vocab_size)
         init_record = {"dir": str(args.init_from)}
         if (args.init_from / "training.json").is_file():  # its own lineage: what it had learned from
             before = json.loads((args.init_from / "training.json").read_text())
@@ -1278,8 +1306,14 @@ def main(argv=None):
         if args.data_only:
             make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
             return
-        init_vocab = None if init is None else init.vocab.cpu()
+        widen = init is not None and preset.draft_vocab_size > init.draft_vocab_size
+        init_vocab = None if init is None or widen else init.vocab.cpu()
         data, vocab, info_data = eagle3_data(target, tokenizer, preset, args, init_vocab)
+        if widen:
+            init_record["widened_from_vocab_size"] = init.draft_vocab_size
+            init = widen_vocab(init, token_counts(data["train"], target.config.vocab_size), preset.draft_vocab_size,
+                               head_weight)
+            vocab = init.vocab.cpu()
         tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     else:
         prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)

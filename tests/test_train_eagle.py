@@ -332,9 +332,20 @@ def test_eagle3_init_from_continues_a_trained_head(tiny_hf_checkpoint, tmp_path,
     more_loss = torch.load(tmp_path / "more.work" / "train_state.pt", weights_only=False)["losses"][0]
     assert more_loss < first_losses[0] and more_loss < sum(first_losses) / len(first_losses)
 
-    with pytest.raises(SystemExit, match="drafts over 128 tokens, not --draft_vocab_size 64"):
+    with pytest.raises(SystemExit, match="drafts over 128 tokens; --draft_vocab_size 64 would drop some"):
         te.main(eagle3_argv(model_path, tmp_path / "other", *common, "--draft_vocab_size", "64",
                             "--init_from", str(tmp_path / "first")))
+
+    # A larger --draft_vocab_size widens the head: its 128 trained rows kept, 64 more from the target.
+    te.main(eagle3_argv(model_path, tmp_path / "wide", *common, "--epochs", "1", "--lr", "0", "--max_steps", "1",
+                        "--draft_vocab_size", "192", "--init_from", str(tmp_path / "first")))
+    wide = torch.load(tmp_path / "wide.work" / "train_state.pt", weights_only=False)["draft"]
+    assert len(wide["vocab"]) == 192 and set(first.vocab.tolist()) <= set(wide["vocab"].tolist())
+    at = {t: i for i, t in enumerate(wide["vocab"].tolist())}
+    for i, t in enumerate(first.vocab.tolist()):
+        assert torch.equal(wide["lm_head.weight"][at[t]], first.lm_head.weight[i])
+    info = json.loads((tmp_path / "wide.work" / "training.json").read_text())
+    assert info["init_from"]["widened_from_vocab_size"] == 128 and info["data"]["draft_vocab_size"] == 192
     target = checkpoint.load_model(model_path, "cpu", torch.float32)
     checkpoint.save_draft(EagleDraft(te.draft_config_for(target.config)), tmp_path / "eagle1")
     with pytest.raises(SystemExit, match="holds an EAGLE-1/2 head, not one for --arch eagle3"):
@@ -464,6 +475,30 @@ def test_warm_start_copies_the_target_rows():
     hidden = torch.randn(1, 2, 64)  # so the draft's logits are the target head's, on the vocabulary
     torch.testing.assert_close(draft.log_probs(hidden).exp().sum(-1), torch.ones(1, 2))
     torch.testing.assert_close(draft.lm_head(draft.norm(hidden)), target.output(target.norm(hidden))[..., vocab])
+
+
+def test_widen_vocab_keeps_trained_rows_and_adds_the_most_frequent_from_the_target():
+    """A wider draft vocabulary holds the old one plus the most frequent tokens it lacked (ascending,
+    as the map requires); old tokens keep their trained rows, new ones get the target's rows, and
+    the rest of the head is unchanged: over its old tokens the wide head's logits are the narrow one's."""
+    target = tiny_target("tiny-llama", seed=6)
+    V = target.config.vocab_size
+    vocab = torch.tensor([3, 17, 18, 100, 511])
+    narrow = random_eagle3_draft(target, vocab)
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[[17, 40, 7, 300, 2]] = torch.tensor([90, 50, 50, 20, 1])  # 17 is already drafted
+    wide = te.widen_vocab(narrow, counts, 8, target.output.weight)
+    assert wide.vocab.tolist() == [3, 7, 17, 18, 40, 100, 300, 511] and wide.draft_vocab_size == 8
+    for i, t in enumerate(wide.vocab.tolist()):
+        expected = narrow.lm_head.weight[vocab.tolist().index(t)] if t in vocab else target.output.weight[t]
+        assert torch.equal(wide.lm_head.weight[i], expected), t
+    hidden = torch.randn(1, 2, 64)
+    old = torch.isin(wide.vocab, vocab)
+    torch.testing.assert_close(wide.lm_head(wide.norm(hidden))[..., old], narrow.lm_head(narrow.norm(hidden)))
+    assert torch.equal(narrow.vocab, vocab) and narrow.lm_head.weight.size(0) == 5  # the narrow head untouched
+    assert te.widen_vocab(narrow, counts, 5, target.output.weight).vocab.tolist() == vocab.tolist()
+    with pytest.raises(ValueError, match="not 4"):
+        te.widen_vocab(narrow, counts, 4, target.output.weight)
 
 
 def test_prompt_stage_resumes_where_it_stopped(tiny_hf_checkpoint, tmp_path, monkeypatch):
