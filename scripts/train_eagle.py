@@ -1284,6 +1284,9 @@ def main(argv=None):
         pack_linears(target)
 
     init, init_record = None, None
+    if eagle3 and args.draft_vocab_size is not None and not 1 <= args.draft_vocab_size <= target.config.vocab_size:
+        raise SystemExit(f"--draft_vocab_size must be in [1, {target.config.vocab_size}] (the target's vocabulary), "
+                         f"got {args.draft_vocab_size}")
     if args.init_from is not None and not args.data_only:
         init = load_draft(args.init_from, target.config, args.device, torch.float32)
         if isinstance(init, Eagle3Draft) != eagle3:

@@ -336,6 +336,10 @@ def test_eagle3_init_from_continues_a_trained_head(tiny_hf_checkpoint, tmp_path,
         te.main(eagle3_argv(model_path, tmp_path / "other", *common, "--draft_vocab_size", "64",
                             "--init_from", str(tmp_path / "first")))
 
+    with pytest.raises(SystemExit, match="must be in \\[1, 512\\]"):
+        te.main(eagle3_argv(model_path, tmp_path / "other", *common, "--draft_vocab_size", "100000",
+                            "--init_from", str(tmp_path / "first")))
+
     # A larger --draft_vocab_size widens the head: its 128 trained rows kept, 64 more from the target.
     te.main(eagle3_argv(model_path, tmp_path / "wide", *common, "--epochs", "1", "--lr", "0", "--max_steps", "1",
                         "--draft_vocab_size", "192", "--init_from", str(tmp_path / "first")))
