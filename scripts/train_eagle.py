@@ -56,6 +56,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -645,9 +646,11 @@ def token_counts(records, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(counts)
 
 
-def choose_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` most frequent answer tokens, in ascending id order (ties: lower id first)."""
-    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))[:size]
+def choose_vocab(counts: torch.Tensor, size: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The `size` most frequent answer tokens, in ascending id order (ties: lower id first); with
+    keep (a trained head's vocabulary, widened), keep's tokens first, then the most frequent others."""
+    kept = set() if keep is None else set(keep.tolist())
+    order = sorted(range(counts.numel()), key=lambda t: (t not in kept, -int(counts[t]), t))[:size]
     return torch.tensor(sorted(order), dtype=torch.long)
 
 
@@ -674,24 +677,22 @@ def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch
         draft.norm.weight.copy_(norm_weight)
 
 
-def widen_vocab(draft: Eagle3Draft, counts: torch.Tensor, size: int, head_weight: torch.Tensor) -> Eagle3Draft:
-    """A copy of a trained EAGLE-3 draft over `size` tokens: its own vocabulary plus the most
-    frequent answer tokens (counts, as choose_vocab) it lacks. Its trained LM-head rows are kept;
-    a new token's row starts as the target's output row (head_weight [vocab, dim]), warm_start's
+def widen_vocab(draft: Eagle3Draft, vocab: torch.Tensor, head_weight: torch.Tensor) -> Eagle3Draft:
+    """A copy of a trained EAGLE-3 draft over `vocab` (ascending target ids holding the draft's
+    own, e.g. choose_vocab(counts, size, keep=draft.vocab)). Its trained LM-head rows are kept; a
+    new token's row starts as the target's output row (head_weight [vocab, dim]), warm_start's
     rule, so a wider head starts from what the narrow one learned instead of from scratch."""
     old = draft.vocab.cpu()
-    if not old.numel() <= size <= counts.numel():
-        raise ValueError(f"can widen a {old.numel()}-token draft vocabulary to {old.numel()}..{counts.numel()} "
-                         f"tokens, not {size}")
-    counts = counts.clone()
-    counts[old] = -1  # already drafted: ranked after every token it lacks
-    extra = choose_vocab(counts, size - old.numel())
-    vocab, order = torch.cat([old, extra]).sort()  # vocab stays ascending
+    vocab = vocab.cpu()
+    at = torch.searchsorted(vocab, old)
+    if not (at < vocab.numel()).all() or not torch.equal(vocab[at.clamp(max=vocab.numel() - 1)], old):
+        raise ValueError(f"a widened vocabulary must hold the draft's own {old.numel()} tokens")
     weight = draft.lm_head.weight
-    rows = torch.cat([weight.detach().cpu(), head_weight[extra].detach().cpu().to(weight.dtype)])[order]
+    rows = head_weight.detach().cpu()[vocab].to(weight.dtype)
+    rows[at] = weight.detach().cpu()
     wide = copy.deepcopy(draft)
-    wide.draft_vocab_size = size
-    wide.lm_head = torch.nn.Linear(weight.size(1), size, bias=False, device=weight.device, dtype=weight.dtype)
+    wide.draft_vocab_size = vocab.numel()
+    wide.lm_head = torch.nn.Linear(weight.size(1), vocab.numel(), bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         wide.lm_head.weight.copy_(rows)
     wide.vocab = vocab.to(draft.vocab.device)  # (a registered buffer: saved with the head)
@@ -1235,7 +1236,8 @@ def resumed_shards(args):
 
 def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     """Stages 1-2 of EAGLE-3: shards up to n_shards, their features, the training records, the draft
-    vocabulary (chosen from the data, or `vocab`: the one of the head training starts from) and
+    vocabulary (chosen from the data, or `vocab`: the one of the head training starts from,
+    widened by the most frequent tokens it lacks when the preset's size is larger) and
     what the training record says about them. The shards a training state was started on are kept
     when resuming (a later session may have written more)."""
     layer_ids = eagle3_layer_ids(target.config.n_layer)
@@ -1265,7 +1267,9 @@ def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
         info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(data["val"], vocab, V)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     (args.work_dir / "train_data.json").write_text(json.dumps({"shards": shards}))
-    return data, choose_vocab(counts, preset.draft_vocab_size) if vocab is None else vocab, info
+    if vocab is None or preset.draft_vocab_size > len(vocab):
+        vocab = choose_vocab(counts, preset.draft_vocab_size, keep=vocab)
+    return data, vocab, info
 
 
 def main(argv=None):
@@ -1309,14 +1313,11 @@ def main(argv=None):
         if args.data_only:
             make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
             return
-        widen = init is not None and preset.draft_vocab_size > init.draft_vocab_size
-        init_vocab = None if init is None or widen else init.vocab.cpu()
+        init_vocab = None if init is None else init.vocab.cpu()
         data, vocab, info_data = eagle3_data(target, tokenizer, preset, args, init_vocab)
-        if widen:
+        if init is not None and len(vocab) > init.draft_vocab_size:
             init_record["widened_from_vocab_size"] = init.draft_vocab_size
-            init = widen_vocab(init, token_counts(data["train"], target.config.vocab_size), preset.draft_vocab_size,
-                               head_weight)
-            vocab = init.vocab.cpu()
+            init = widen_vocab(init, vocab, head_weight)
         tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     else:
         prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)

@@ -491,7 +491,8 @@ def test_widen_vocab_keeps_trained_rows_and_adds_the_most_frequent_from_the_targ
     narrow = random_eagle3_draft(target, vocab)
     counts = torch.zeros(V, dtype=torch.long)
     counts[[17, 40, 7, 300, 2]] = torch.tensor([90, 50, 50, 20, 1])  # 17 is already drafted
-    wide = te.widen_vocab(narrow, counts, 8, target.output.weight)
+    assert te.choose_vocab(counts, 5, keep=vocab).tolist() == vocab.tolist()
+    wide = te.widen_vocab(narrow, te.choose_vocab(counts, 8, keep=vocab), target.output.weight)
     assert wide.vocab.tolist() == [3, 7, 17, 18, 40, 100, 300, 511] and wide.draft_vocab_size == 8
     for i, t in enumerate(wide.vocab.tolist()):
         expected = narrow.lm_head.weight[vocab.tolist().index(t)] if t in vocab else target.output.weight[t]
@@ -500,9 +501,9 @@ def test_widen_vocab_keeps_trained_rows_and_adds_the_most_frequent_from_the_targ
     old = torch.isin(wide.vocab, vocab)
     torch.testing.assert_close(wide.lm_head(wide.norm(hidden))[..., old], narrow.lm_head(narrow.norm(hidden)))
     assert torch.equal(narrow.vocab, vocab) and narrow.lm_head.weight.size(0) == 5  # the narrow head untouched
-    assert te.widen_vocab(narrow, counts, 5, target.output.weight).vocab.tolist() == vocab.tolist()
-    with pytest.raises(ValueError, match="not 4"):
-        te.widen_vocab(narrow, counts, 4, target.output.weight)
+    assert te.widen_vocab(narrow, vocab, target.output.weight).vocab.tolist() == vocab.tolist()
+    with pytest.raises(ValueError, match="must hold the draft's own 5 tokens"):
+        te.widen_vocab(narrow, torch.tensor([3, 7, 17, 18, 40, 100, 300]), target.output.weight)
 
 
 def test_prompt_stage_resumes_where_it_stopped(tiny_hf_checkpoint, tmp_path, monkeypatch):
