@@ -58,6 +58,9 @@ from tree import Tree, mc_sim_7b_63, static_tree  # noqa: E402
 
 TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
 QUICK_TARGETS = ("sm_80", "sm_86", "sm_90")
+# gathered launches and compile results, keyed by the sources that made them: the script's sweeps
+# and the tests share it, so a second run compiles only what changed ($KERNEL_FIT_CACHE moves it)
+DEFAULT_CACHE_DIR = Path(os.environ.get("KERNEL_FIT_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "kernel_fit")
 KERNELS = {"tree_attention": ("_tree_attention_kernel", "_merge_kernel"), "int8_matmul": ("_int8_matmul_kernel",)}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_SLOTS = (64, 300, 1000, 2048, 3000, 4096, 6000, 8192)  # setup lengths: prefixes up to 8k
@@ -404,6 +407,12 @@ class Compiler:
         self.sources = {name: (ROOT / f"{name}.py").read_bytes() for name in KERNELS}
         self.binders = {}
 
+    def add_module(self, name: str) -> None:
+        """Compile the kernels of another of the project's modules too (invariant_kernels.py in
+        its tests), its source read alongside for cached_compile's key."""
+        self.modules[name] = compilable(name)
+        self.sources[name] = (ROOT / f"{name}.py").read_bytes()
+
     def _bind(self, launch: Launch, capability: tuple):
         """(jit function, backend, target, the launch's specialization: what Triton keys its cache on)."""
         from triton.backends.compiler import GPUTarget
@@ -458,22 +467,27 @@ class Compiler:
                     spill_stores=int(spills.group(1)) if spills else 0, seconds=time.perf_counter() - start)
 
 
-def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_dir: Path = None) -> dict:
+def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_dir: Path = None,
+                   float_args: str = "fp32") -> dict:
     """compiler.compile(launch, capability), kept under cache_dir/compiled when cache_dir is given:
     keyed by the launch's class (Triton's specialization key), the target, the kernel module's
-    source and Triton's version, so a stopped sweep does not compile a class twice."""
+    source, Triton's version and float_args (compile's), so a stopped sweep does not compile a class twice. A compile
+    error is returned but not kept: a ptxas killed by the machine must not fail every later run."""
     if cache_dir is None:
-        return compiler.compile(launch, capability)
+        return compiler.compile(launch, capability, float_args)
     import triton
 
     digest = hashlib.sha256()
-    for part in (compiler.class_key(launch, capability), repr(capability), triton.__version__):
+    parts = (compiler.class_key(launch, capability), repr(capability), triton.__version__)
+    for part in parts + (() if float_args == "fp32" else (f"float_args {float_args}",)):
         digest.update(part.encode())
     digest.update(compiler.sources[launch.module])
     path = Path(cache_dir) / "compiled" / f"{launch.kernel.strip('_')}-{digest.hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    result = compiler.compile(launch, capability)
+    result = compiler.compile(launch, capability, float_args)
+    if "error" in result:
+        return result
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")  # written whole, then renamed: a killed run leaves no half file
     tmp.write_text(json.dumps(result))
@@ -628,7 +642,7 @@ def main(argv=None):
     p.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=None,
                    help=f"default: all ({', '.join(TARGETS)}); --quick: {', '.join(QUICK_TARGETS)}")
     p.add_argument("--quick", action="store_true", help="the representative set of tests/test_kernel_fit.py")
-    p.add_argument("--cache_dir", type=Path, default=Path.home() / ".cache" / "eagle-gpt-fast" / "kernel_fit",
+    p.add_argument("--cache_dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help="where gathered launches (per model group and limit) and compile results (per class and "
                         "target) are kept, so that a stopped sweep resumes (default: %(default)s)")
     p.add_argument("--no_cache", action="store_true", help="gather everything again, keep nothing")

@@ -36,15 +36,17 @@ def fresh_python(code: str):
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report():
     # two ptxas processes at once (one a core): the compiles are nearly all of the time, and the
-    # report is the same as from one (checked: 171 classes, 66 s against 126 s on 2 cores)
-    cache = tmp_path_factory.mktemp("kernel_fit")
-    return fresh_python(f"""
+    # report is the same as from one (checked: 171 classes, 66 s against 126 s on 2 cores).
+    # The script's own cache (kernel_fit.DEFAULT_CACHE_DIR): results are keyed by the kernel
+    # module's source, Triton's version, the target and the class, the gathered launches by the
+    # host code's sources, so a run after an edit compiles what the edit changed and nothing
+    # else (75 s a run on a 2-core Zen 3 without it), as Inductor's cache does for the compiled tests
+    return fresh_python("""
         import json, kernel_fit
-        from pathlib import Path
         report = kernel_fit.check(kernel_fit.QUICK_TARGETS, quick=True, log=lambda line: None,
-                                  cache_dir=Path({str(cache)!r}), jobs=2)
+                                  cache_dir=kernel_fit.DEFAULT_CACHE_DIR, jobs=2)
         print(json.dumps(report))
     """)
 
@@ -103,7 +105,7 @@ def test_the_check_catches_a_launch_over_the_limit():
 
 def test_compile_results_are_cached(tmp_path):
     """A compiled class's result is kept under cache_dir and read back, not compiled again; another
-    target is another entry."""
+    target, or fp64-typed float arguments, is another entry; a compile error is not kept."""
     got = fresh_python(f"""
         import json, torch, kernel_fit
         compiler = kernel_fit.Compiler()
@@ -119,11 +121,21 @@ def test_compile_results_are_cached(tmp_path):
             other_target = "read from the cache"
         except TypeError:
             other_target = "compiled"
-        print(json.dumps(dict(first=first, second=second, other_target=other_target)))
+        try:
+            kernel_fit.cached_compile(compiler, launch, (8, 6), {str(tmp_path)!r}, float_args="fp64")
+            fp64 = "read from the cache"
+        except TypeError:
+            fp64 = "compiled"
+        compiler = kernel_fit.Compiler()  # BLOCK_K 48: tl.arange needs a power of two
+        bad = kernel_fit.Launch("int8_matmul", "_int8_matmul_kernel", args,
+                                dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=48, num_warps=4, num_stages=2))
+        failed = kernel_fit.cached_compile(compiler, bad, (8, 6), {str(tmp_path)!r})
+        print(json.dumps(dict(first=first, second=second, other_target=other_target, fp64=fp64, failed=failed)))
     """)
     assert got["first"] == got["second"] and got["first"]["shared"] > 0 and "error" not in got["first"]
-    assert got["other_target"] == "compiled"
-    assert len(list((tmp_path / "compiled").glob("*.json"))) == 1
+    assert got["other_target"] == got["fp64"] == "compiled"
+    assert "error" in got["failed"]
+    assert len(list((tmp_path / "compiled").glob("*.json"))) == 1  # neither the other target nor the error
 
 
 def test_a_stopped_sweep_resumes_from_its_gather_cache(tmp_path):
@@ -159,7 +171,7 @@ def test_kernels_compile_with_float_arguments_typed_as_torch_compile_types_them(
     rows = fresh_python("""
         import json, torch, kernel_fit, tree_attention, invariant_kernels as ik
         compiler = kernel_fit.Compiler()
-        compiler.modules["invariant_kernels"] = kernel_fit.compilable("invariant_kernels")
+        compiler.add_module("invariant_kernels")
         meta = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")
         launches = []
         with kernel_fit.recording((232448,)) as recorded:
@@ -171,8 +183,9 @@ def test_kernels_compile_with_float_arguments_typed_as_torch_compile_types_them(
         launches += [l for l in recorded[232448] if l.kernel == "_tree_attention_kernel"]
         # batch-invariant mode's launches that take a float (the norm's eps, attention's scale)
         launches += [l for l in kernel_fit.invariant_launches(ik) if l.kernel != "_linear_kernel"]
-        rows = [dict(launch=kernel_fit.describe(l), fp32=compiler.compile(l, (9, 0)),
-                     fp64=compiler.compile(l, (9, 0), float_args="fp64")) for l in launches]
+        cache = kernel_fit.DEFAULT_CACHE_DIR
+        rows = [dict(launch=kernel_fit.describe(l), fp32=kernel_fit.cached_compile(compiler, l, (9, 0), cache),
+                     fp64=kernel_fit.cached_compile(compiler, l, (9, 0), cache, float_args="fp64")) for l in launches]
         print(json.dumps(rows))
     """)
     assert len(rows) == 4 + 9
