@@ -61,8 +61,12 @@ def test_greedy_equals_vanilla_random_draft(method):
         assert ids == vanilla(target, prompt, 40)
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+# compiled: an EAGLE-1/2 draft on the static tree (eagle) and EAGLE-3's on the dynamic tree (eagle3),
+# batched rows in each; eagle2 is their cross (an EAGLE-1/2 draft, the dynamic tree), compiled below
+# with lookup nodes and forced plain steps (test_compiled_decoding_follows_every_call_...): another
+# ~15 s here would prove nothing those two do not
+@pytest.mark.parametrize("method, compiled", [(m, False) for m in METHODS] + [("eagle", True), ("eagle3", True)],
+                         ids=[f"eager-{m}" for m in METHODS] + ["compiled-eagle", "compiled-eagle3"])
 @torch.no_grad()
 def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
     """A draft that mirrors the target gets most guesses accepted: deep paths, compaction of
