@@ -570,7 +570,8 @@ def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: i
     data_dir.mkdir(parents=True, exist_ok=True)
     meta = {"seed": seed, "gen_batch": preset.gen_batch, "answer_max_tokens": preset.answer_max_tokens,
             "prompt_max_tokens": preset.prompt_max_tokens, "sampled_fraction": preset.sampled_fraction,
-            "multi_turn_fraction": preset.multi_turn_fraction, "val_fraction": preset.val_fraction}
+            "multi_turn_fraction": preset.multi_turn_fraction, "val_fraction": preset.val_fraction,
+            "dtype": str(model.tok_embeddings.weight.dtype).replace("torch.", "")}  # the target's, as it generated
     todo = [n for n in range(n_shards) if not (data_dir / f"conv_{n:05d}.npz").is_file()]
     for n in tqdm(todo, desc="conversation shards", unit="shard"):
         t0, cpu0 = time.time(), time.process_time()

@@ -248,6 +248,8 @@ def test_eagle3_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, mo
     target = checkpoint.load_model(model_path, "cpu", torch.float32)
     work = tmp_path / "head3.work"
     convs = te.load_conversation_shard(work / "conversations" / "conv_00000.npz")
+    meta = json.loads(str(te.load_conversation_arrays(work / "conversations" / "conv_00000.npz")["meta"]))
+    assert meta["dtype"] == "float32" and meta["shard"] == 0  # what generated it, kept with it
     feats = np.load(work / "features" / "conv_00000.features.npy")
     assert feats.shape == (sum(len(c["ids"]) for c in convs), 3 * target.config.dim)
     assert np.load(work / "features" / "conv_00000.top_ids.npy").shape == (feats.shape[0], 8)
