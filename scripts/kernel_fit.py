@@ -316,8 +316,8 @@ def gather(capabilities, quick: bool = False, log=None, cache_dir: Path = None) 
                             gather_one(dtype)
                         seen[key] = {limit: count(found) for limit, found in launches.items()}
                         for limit, path in paths.items():
-                            if path is not None:  # written whole, then renamed: a killed run leaves no half file
-                                tmp = path.with_suffix(".tmp")
+                            if path is not None:  # this process's file, renamed when whole (as cached_compile)
+                                tmp = path.with_suffix(f".{os.getpid()}.tmp")
                                 tmp.write_text(json.dumps([[r, k] for r, k in seen[key][limit].items()]))
                                 tmp.replace(path)
                 for limit in limits:
@@ -489,7 +489,9 @@ def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_
     if "error" in result:
         return result
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")  # written whole, then renamed: a killed run leaves no half file
+    # a file of this process's, renamed when whole: neither a killed run nor two runs sharing the
+    # cache (two test sessions at once) leave a half-written result
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
     return result
