@@ -114,11 +114,13 @@ GATHER_SOURCES = {"tree": ("model.py", "speculative.py", "tree.py", "draft.py", 
 
 def source_digest(kind: str) -> str:
     """A digest of GATHER_SOURCES[kind] and of the functions and settings of this script that
-    gather that kind."""
+    gather and record that kind."""
     digest = hashlib.sha256()
     for name in GATHER_SOURCES[kind]:
         digest.update((ROOT / name).read_bytes())
-    for fn in (meta_models, _chain, tree_launches) if kind == "tree" else (meta_models, int8_launches):
+    # the recorder and gather itself too: its quick set (the tests') is chosen inside it
+    common = (_Recorder, recording, frozen, model_shards, meta_models, gather)
+    for fn in common + ((_chain, tree_launches) if kind == "tree" else (int8_launches,)):
         digest.update(inspect.getsource(fn).encode())
     digest.update(repr((LAYERS, DTYPES, CACHE_SLOTS, ROUND_SHAPES, VERIFY_NODES)).encode())
     return digest.hexdigest()[:16]
@@ -471,8 +473,9 @@ def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_
                    float_args: str = "fp32") -> dict:
     """compiler.compile(launch, capability), kept under cache_dir/compiled when cache_dir is given:
     keyed by the launch's class (Triton's specialization key), the target, the kernel module's
-    source, Triton's version and float_args (compile's), so a stopped sweep does not compile a class twice. A compile
-    error is returned but not kept: a ptxas killed by the machine must not fail every later run."""
+    source, this script's Compiler, Triton's version and float_args (compile's), so a stopped sweep
+    does not compile a class twice. A compile error is returned but not kept: a ptxas killed by the
+    machine must not fail every later run."""
     if cache_dir is None:
         return compiler.compile(launch, capability, float_args)
     import triton
@@ -482,6 +485,7 @@ def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_
     for part in parts + (() if float_args == "fp32" else (f"float_args {float_args}",)):
         digest.update(part.encode())
     digest.update(compiler.sources[launch.module])
+    digest.update(inspect.getsource(Compiler).encode())  # how a launch is compiled and measured
     path = Path(cache_dir) / "compiled" / f"{launch.kernel.strip('_')}-{digest.hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())

@@ -105,7 +105,8 @@ def test_the_check_catches_a_launch_over_the_limit():
 
 def test_compile_results_are_cached(tmp_path):
     """A compiled class's result is kept under cache_dir and read back, not compiled again; another
-    target, or fp64-typed float arguments, is another entry; a compile error is not kept."""
+    target, fp64-typed float arguments or an edited kernel source is another entry; a compile
+    error is not kept."""
     got = fresh_python(f"""
         import json, torch, kernel_fit
         compiler = kernel_fit.Compiler()
@@ -126,14 +127,21 @@ def test_compile_results_are_cached(tmp_path):
             fp64 = "read from the cache"
         except TypeError:
             fp64 = "compiled"
+        compiler.sources["int8_matmul"] += b"# an edit"
+        try:
+            kernel_fit.cached_compile(compiler, launch, (8, 6), {str(tmp_path)!r})
+            edited = "read from the cache"
+        except TypeError:
+            edited = "compiled"
         compiler = kernel_fit.Compiler()  # BLOCK_K 48: tl.arange needs a power of two
         bad = kernel_fit.Launch("int8_matmul", "_int8_matmul_kernel", args,
                                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=48, num_warps=4, num_stages=2))
         failed = kernel_fit.cached_compile(compiler, bad, (8, 6), {str(tmp_path)!r})
-        print(json.dumps(dict(first=first, second=second, other_target=other_target, fp64=fp64, failed=failed)))
+        print(json.dumps(dict(first=first, second=second, other_target=other_target, fp64=fp64, edited=edited,
+                              failed=failed)))
     """)
     assert got["first"] == got["second"] and got["first"]["shared"] > 0 and "error" not in got["first"]
-    assert got["other_target"] == got["fp64"] == "compiled"
+    assert got["other_target"] == got["fp64"] == got["edited"] == "compiled"
     assert "error" in got["failed"]
     assert len(list((tmp_path / "compiled").glob("*.json"))) == 1  # neither the other target nor the error
 
