@@ -112,6 +112,14 @@ GATHER_SOURCES = {"tree": ("model.py", "speculative.py", "tree.py", "draft.py", 
                   "int8": ("model.py", "draft.py", "quantize.py", "int8_matmul.py", "tp.py")}
 
 
+def write_whole(path: Path, text: str) -> None:
+    """A cache file written under a name of this process's and renamed when whole: neither a
+    killed run nor two runs sharing the cache (two test sessions at once) leave a half file."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def source_digest(kind: str) -> str:
     """A digest of GATHER_SOURCES[kind] and of the functions and settings of this script that
     gather and record that kind."""
@@ -318,10 +326,8 @@ def gather(capabilities, quick: bool = False, log=None, cache_dir: Path = None) 
                             gather_one(dtype)
                         seen[key] = {limit: count(found) for limit, found in launches.items()}
                         for limit, path in paths.items():
-                            if path is not None:  # this process's file, renamed when whole (as cached_compile)
-                                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                                tmp.write_text(json.dumps([[r, k] for r, k in seen[key][limit].items()]))
-                                tmp.replace(path)
+                            if path is not None:
+                                write_whole(path, json.dumps([[r, k] for r, k in seen[key][limit].items()]))
                 for limit in limits:
                     for r, k in seen[key][limit].items():
                         total[limit][r] = total[limit].get(r, 0) + k
@@ -407,6 +413,7 @@ class Compiler:
         # the sources compiled, read with the modules: cached_compile keys on them (a file edited
         # during a sweep must not give its results to the new source)
         self.sources = {name: (ROOT / f"{name}.py").read_bytes() for name in KERNELS}
+        self.own_source = inspect.getsource(Compiler).encode()  # how a launch is compiled and measured
         self.binders = {}
 
     def add_module(self, name: str) -> None:
@@ -481,11 +488,10 @@ def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_
     import triton
 
     digest = hashlib.sha256()
-    parts = (compiler.class_key(launch, capability), repr(capability), triton.__version__)
-    for part in parts + (() if float_args == "fp32" else (f"float_args {float_args}",)):
+    for part in (compiler.class_key(launch, capability), repr(capability), triton.__version__, float_args):
         digest.update(part.encode())
     digest.update(compiler.sources[launch.module])
-    digest.update(inspect.getsource(Compiler).encode())  # how a launch is compiled and measured
+    digest.update(compiler.own_source)
     path = Path(cache_dir) / "compiled" / f"{launch.kernel.strip('_')}-{digest.hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -493,11 +499,7 @@ def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_
     if "error" in result:
         return result
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a file of this process's, renamed when whole: neither a killed run nor two runs sharing the
-    # cache (two test sessions at once) leave a half-written result
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
+    write_whole(path, json.dumps(result))
     return result
 
 

@@ -40,7 +40,7 @@ def report():
     # two ptxas processes at once (one a core): the compiles are nearly all of the time, and the
     # report is the same as from one (checked: 171 classes, 66 s against 126 s on 2 cores).
     # The script's own cache (kernel_fit.DEFAULT_CACHE_DIR): results are keyed by the kernel
-    # module's source, Triton's version, the target and the class, the gathered launches by the
+    # module's source, the compile code, Triton's version, the target and the class, the launches by the
     # host code's sources, so a run after an edit compiles what the edit changed and nothing
     # else (75 s a run on a 2-core Zen 3 without it), as Inductor's cache does for the compiled tests
     return fresh_python("""

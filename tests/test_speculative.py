@@ -180,10 +180,10 @@ def test_greedy_equals_vanilla_on_cuda(method):
 # ---------------------------------------------------------------------------------------------
 # The real model
 # ---------------------------------------------------------------------------------------------
-# Eight varied chat prompts (facts, lists, arithmetic, translation, free text), 24 new tokens each:
-# short answers stop at EOS, long ones at the limit. Eight keep CI's time in check; the
-# compiled-round and benchmark tests decode further prompts.
-CHAT_PROMPTS = [  # six: 18 answers of 24 tokens, ~50 s on a 2-core Zen 3 (eight took 67 s)
+# Six varied chat prompts (facts, lists, arithmetic, free text), 24 new tokens each: short answers
+# stop at EOS, long ones at the limit. Six keep CI's time in check (18 answers, ~50 s on a 2-core
+# Zen 3; eight took 67 s); the compiled-round and benchmark tests decode further prompts.
+CHAT_PROMPTS = [
     "What is the capital of France?", "Write a haiku about autumn.", "List three prime numbers.",
     "What is 12 times 7?", "Why is the sky blue?", "Recommend a book for a long flight.",
 ]
