@@ -1175,6 +1175,10 @@ def parse_args(argv=None):
                         "on); without a saved state, start")
     p.add_argument("--max_steps", type=int, default=None,
                    help="stop after this many optimizer steps in all (the state is saved: --resume continues)")
+    p.add_argument("--first_shard", type=int, default=0,
+                   help="eagle3: train on shards FIRST_SHARD .. n_shards-1 only (with --init_from: a short "
+                        "continuation on the newest shards, with some older ones as replay, when a whole "
+                        "epoch does not fit the time)")
     p.add_argument("--data_only", action="store_true", help="write the data (eagle3: the shards), then stop")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -1209,21 +1213,28 @@ def parse_args(argv=None):
     if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
         p.error(f"{args.work_dir} holds a training state: pass --resume to continue it, or delete "
                 f"{args.work_dir / 'train_state.pt'} to start over")
-    # A resumed EAGLE-3 run keeps the shards it started on; asked for another count, it would train
-    # the old list without a word (and a finished run would do nothing), so say what to do instead.
-    started = resumed_shards(args)
-    if started is not None and args.n_shards is not None and not args.data_only and len(started) != args.n_shards:
-        p.error(f"the training state in {args.work_dir} runs over {len(started)} shards, not --n_shards "
-                f"{args.n_shards}: drop --n_shards to continue it, or move "
-                f"{args.work_dir / 'train_state.pt'} away to start a run over {args.n_shards}")
     if args.init_from is not None and not (args.init_from / "draft.safetensors").is_file():
         p.error(f"--init_from {args.init_from}: no draft.safetensors there")
     preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     preset = Preset(**{**asdict(preset), **overrides})
+    if not 0 <= args.first_shard < preset.n_shards:
+        p.error(f"--first_shard must be in [0, {preset.n_shards - 1}] (below --n_shards), got {args.first_shard}")
+    # A resumed EAGLE-3 run keeps the shards it started on; asked for other shards, it would train
+    # the old list without a word (and a finished run would do nothing), so say what to do instead.
+    started = resumed_shards(args)
+    asked = None if args.n_shards is None else shard_names(args.first_shard, args.n_shards)
+    if started is not None and asked is not None and not args.data_only and started != asked:
+        p.error(f"the training state in {args.work_dir} runs over {len(started)} shards ({started[0]} .. "
+                f"{started[-1]}), not --first_shard {args.first_shard} --n_shards {args.n_shards}: drop both to "
+                f"continue it, or move {args.work_dir / 'train_state.pt'} away to start another run")
     if preset.unroll < 1:
         p.error(f"--unroll must be at least 1, got {preset.unroll}")
     return args, preset
+
+
+def shard_names(first: int, end: int):
+    return [f"conv_{n:05d}.npz" for n in range(first, end)]
 
 
 def resumed_shards(args):
@@ -1245,7 +1256,7 @@ def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
     shards = resumed_shards(args)
     if shards is None:
-        shards = [f"conv_{n:05d}.npz" for n in range(preset.n_shards)]
+        shards = shard_names(args.first_shard, preset.n_shards)
     data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, preset.keep_top, shards)
     if not data["train"] or not data["val"]:
         raise SystemExit(f"no {'training' if not data['train'] else 'validation'} conversations in {args.data_dir}: "

@@ -293,6 +293,13 @@ def test_eagle3_resume_continues_bit_for_bit(tiny_hf_checkpoint, tmp_path, monke
     fresh = torch.load(tmp_path / "fresh.work" / "train_state.pt", weights_only=False)
     assert fresh["losses"] == whole["losses"][:3]
 
+    # --first_shard: a run over the newest shards only (their features, their validation split).
+    te.main(eagle3_argv(model_path, tmp_path / "newest", *common, "--first_shard", "1", "--max_steps", "1"))
+    used = json.loads((tmp_path / "newest.work" / "train_data.json").read_text())["shards"]
+    assert used == ["conv_00001.npz", "conv_00002.npz"]
+    assert sorted(p.name for p in (tmp_path / "newest.work" / "features").glob("*.features.npy")) == \
+        ["conv_00001.features.npy", "conv_00002.features.npy"]
+
 
 def test_eagle3_init_from_continues_a_trained_head(tiny_hf_checkpoint, tmp_path, monkeypatch):
     """--init_from starts from a trained head's weights and draft vocabulary (not a fresh, warm-started
@@ -566,7 +573,19 @@ def test_resume_refuses_another_shard_count(tmp_path, capsys):
     with pytest.raises(SystemExit):
         te.parse_args(argv + ["--n_shards", "72"])
     err = capsys.readouterr().err
-    assert "runs over 57 shards, not --n_shards 72" in err and "move" in err and "Traceback" not in err
+    assert "runs over 57 shards" in err and "not --first_shard 0 --n_shards 72" in err and "move" in err
+    assert "Traceback" not in err
     assert te.parse_args(argv + ["--n_shards", "57"])[0].resume  # the same count continues
     assert te.parse_args(argv)[0].resume  # no count: the saved list
     assert te.parse_args(argv + ["--n_shards", "72", "--data_only"])[0].data_only  # data only: no training
+
+    # A continuation on the newest shards only (--first_shard) resumes with the same two flags.
+    (work / "train_data.json").write_text(json.dumps({"shards": [f"conv_{n:05d}.npz" for n in range(50, 57)]}))
+    assert te.parse_args(argv + ["--n_shards", "57", "--first_shard", "50"])[0].first_shard == 50
+    with pytest.raises(SystemExit):
+        te.parse_args(argv + ["--n_shards", "57"])  # the same end, but from shard 0: another run
+    assert "runs over 7 shards (conv_00050.npz .. conv_00056.npz)" in capsys.readouterr().err
+    for first in ("57", "-1"):
+        with pytest.raises(SystemExit):
+            te.parse_args(argv + ["--n_shards", "57", "--first_shard", first])
+        assert f"--first_shard must be in [0, 56] (below --n_shards), got {first}" in capsys.readouterr().err
