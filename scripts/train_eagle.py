@@ -1218,6 +1218,8 @@ def parse_args(argv=None):
     preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     preset = Preset(**{**asdict(preset), **overrides})
+    if args.first_shard and args.arch != "eagle3":
+        p.error("--first_shard is for --arch eagle3 (an EAGLE-1/2 run trains on all the data it generates)")
     if not 0 <= args.first_shard < preset.n_shards:
         p.error(f"--first_shard must be in [0, {preset.n_shards - 1}] (below --n_shards), got {args.first_shard}")
     # A resumed EAGLE-3 run keeps the shards it started on; asked for other shards, it would train

@@ -589,3 +589,7 @@ def test_resume_refuses_another_shard_count(tmp_path, capsys):
         with pytest.raises(SystemExit):
             te.parse_args(argv + ["--n_shards", "57", "--first_shard", first])
         assert f"--first_shard must be in [0, 56] (below --n_shards), got {first}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        te.parse_args(["--arch", "eagle", "--checkpoint_path", str(ckpt), "--out_dir", str(tmp_path / "e2"),
+                       "--first_shard", "3"])
+    assert "--first_shard is for --arch eagle3" in capsys.readouterr().err
