@@ -564,6 +564,15 @@ def load_conversation_shard(path: Path):
             for i in range(len(o) - 1)]
 
 
+def shard_name(n: int) -> str:
+    """The file of conversation shard n (the one place its name is spelled)."""
+    return f"conv_{n:05d}.npz"
+
+
+def shard_names(first: int, end: int):
+    return [shard_name(n) for n in range(first, end)]
+
+
 def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: int, n_shards: int):
     """Shards conv_00000.npz ... up to n_shards; the ones already there are kept (a later session
     continues where an earlier one stopped)."""
@@ -572,13 +581,13 @@ def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: i
             "prompt_max_tokens": preset.prompt_max_tokens, "sampled_fraction": preset.sampled_fraction,
             "multi_turn_fraction": preset.multi_turn_fraction, "val_fraction": preset.val_fraction,
             "dtype": str(model.tok_embeddings.weight.dtype).replace("torch.", "")}  # the target's, as it generated
-    todo = [n for n in range(n_shards) if not (data_dir / f"conv_{n:05d}.npz").is_file()]
+    todo = [n for n in range(n_shards) if not (data_dir / shard_name(n)).is_file()]
     for n in tqdm(todo, desc="conversation shards", unit="shard"):
         t0, cpu0 = time.time(), time.process_time()
         convs = make_conversation_shard(model, tokenizer, preset, n, seed)
         minutes, cpu_minutes = (time.time() - t0) / 60, (time.process_time() - cpu0) / 60
-        save_conversations(data_dir / f"conv_{n:05d}.npz", convs, {**meta, "shard": n, "minutes": minutes,
-                                                                     "cpu_minutes": cpu_minutes})
+        save_conversations(data_dir / shard_name(n), convs, {**meta, "shard": n, "minutes": minutes,
+                                                               "cpu_minutes": cpu_minutes})
         tokens = sum(len(c["ids"]) for c in convs)
         # CPU minutes too: the wall clock also counts the time the job was paused (kill -STOP)
         print(f"shard {n}: {len(convs)} conversations ({sum(c['turns'] == 2 for c in convs)} two-turn), "
@@ -1233,10 +1242,6 @@ def parse_args(argv=None):
     if preset.unroll < 1:
         p.error(f"--unroll must be at least 1, got {preset.unroll}")
     return args, preset
-
-
-def shard_names(first: int, end: int):
-    return [f"conv_{n:05d}.npz" for n in range(first, end)]
 
 
 def resumed_shards(args):
