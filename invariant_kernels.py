@@ -11,16 +11,20 @@ The kernels here give every row one launch configuration whatever the row count,
 reduction order depends on nothing but the row:
 
     invariant_linear   x [M, K] @ w [N, K]^T (+ bias): fixed BLOCK_M/N/K for every M, K walked in
-                       order, no split-K
+                       order; a narrow layer's K in fixed ranges (split-K by the weight's shape),
+                       their float32 sums added in range order by a second launch
     rms_norm           one program per row
-    window_attention   one program per query: the old part of the cache in BLOCK_N-slot blocks from
-                       slot 0, then the W + 1 recent positions in order (model.WindowMask)
+    window_attention   one program per query: the old part of the cache in fixed chunks of slots
+                       from slot 0 (a program each, BLOCK_N-slot blocks inside), folded in chunk order,
+                       then the W + 1 recent positions in order (model.WindowMask)
 
 Each is a torch custom op (eagle_gpt_fast::...), so a compiled graph neither fuses into it nor
 retiles it, and it launches without a host sync (a CUDA graph captures it). use_invariant_kernels
 swaps a target's linears and norms for them; model.attention sends a WindowMask on CUDA to
-window_attention. The launch constants are untuned (the kernels ran on an H200 once, in the tests,
-untimed); they compile for sm_80/86/89/90 within each limit (tests/test_invariant_kernels.py). On a CPU the
+window_attention. Split-K and the chunks were chosen on an H200 (scripts/tune_kernels.py, section
+invariant_step; benchmarks/README.md): a one-token step of SmolLM2-135M is bound by its launches'
+latency, and 9-24 programs walking all of K or the whole prefix left the GPU idle. The launches
+compile for sm_80/86/89/90 within each limit (tests/test_invariant_kernels.py). On a CPU the
 kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), as the tests do.
 """
 import os
@@ -37,8 +41,19 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "
 # num_stages). 16-bit inputs on tensor cores; float32 on FMA units ("ieee", no TF32) with the small
 # tiles that compiled without spills for int8_matmul.py's and tree_attention.py's float32 paths.
 LINEAR_CONFIG = {2: (32, 64, 64, 4, 3), 4: (16, 32, 32, 8, 2)}
+# Split-K for narrow layers. A one-token step is latency-bound: a 576-wide layer gives 9 programs at
+# BLOCK_N 64 to a GPU of 132 SMs, each walking all of K in turn. With LINEAR_SPLIT_PROGRAMS > 0 a
+# launch of fewer column blocks than that cuts K into ranges (linear_splits: by the weight's shape
+# alone, never by the row count, so a row's sums stay the same for any M) and a second launch adds
+# the ranges' float32 partial sums in range order. 0: one pass over K.
+LINEAR_SPLIT_PROGRAMS = 132
 ATTENTION_BLOCK_N = 64  # cache slots per block of window_attention's old part
 ATTENTION_WARPS = 4
+# Chunked attention for long prefixes (flash-decoding with a fixed chunk): with ATTENTION_CHUNK > 0
+# the old part is cut into chunks of this many slots from slot 0, one program each, whose partial
+# softmax sums a second launch folds in chunk order. The chunks are fixed by slot numbers, so a
+# query's sums do not depend on the other queries. 0: one program walks the whole old part.
+ATTENTION_CHUNK = 128
 
 
 def _check_device(*tensors: Tensor) -> None:
@@ -73,10 +88,32 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
     (M, K), N = x.shape, weight.size(0)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     launch = linear_config(x.dtype)
+    splits, k_per = linear_splits(N, K, launch)
     grid = (triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(M, launch["BLOCK_M"]))
-    _linear_kernel[grid](x, weight, weight if bias is None else bias, y, M, N, K,
-                         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **launch)
+    bias_arg = weight if bias is None else bias
+    if splits == 1:
+        _linear_kernel[grid](x, weight, bias_arg, y, M, N, K,
+                             x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **launch)
+        return y
+    partial = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _linear_partial_kernel[grid + (splits,)](x, weight, partial, M, N, K, k_per, x.stride(0), weight.stride(0),
+                                             **launch)
+    _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](partial, bias_arg, y, M, N, y.stride(0), splits,
+                                                      HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)
     return y
+
+
+SUM_BLOCK = 256  # columns per program of _split_sum_kernel
+
+
+def linear_splits(N: int, K: int, launch: dict) -> tuple:
+    """(ranges of K, columns of K in each) of a launch on an [N, K] weight: by the shape and the
+    launch constants only, so every row count gets the same ranges."""
+    n_blocks, k_blocks = triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(K, launch["BLOCK_K"])
+    if LINEAR_SPLIT_PROGRAMS <= 0 or n_blocks >= LINEAR_SPLIT_PROGRAMS:
+        return 1, K
+    k_per = triton.cdiv(k_blocks, min(k_blocks, triton.cdiv(LINEAR_SPLIT_PROGRAMS, n_blocks))) * launch["BLOCK_K"]
+    return triton.cdiv(K, k_per), k_per
 
 
 @invariant_linear.register_fake
@@ -92,21 +129,60 @@ def _linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_
     n_block, m_block = tl.program_id(0), tl.program_id(1)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _dot_k_range(X, W, rows, cols, M, N, 0, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _dot_k_range(X, W, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in float32, K in BLOCK_K steps from k_lo up."""
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rows[:, None] * stride_xm + ks[None, :]   # [BLOCK_M, BLOCK_K], moved along K
-    w_ptrs = W + cols[None, :] * stride_wn + ks[:, None]   # [BLOCK_K, BLOCK_N]: w^T's block
+    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + ks[None, :])   # [BLOCK_M, BLOCK_K], moved along K
+    w_ptrs = W + cols[None, :] * stride_wn + (k_lo + ks[:, None])   # [BLOCK_K, BLOCK_N]: w^T's block
     x_live, w_live = rows[:, None] < M, cols[None, :] < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_left = K - k0
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_left = k_hi - k0
         x = tl.load(x_ptrs, mask=x_live & (ks[None, :] < k_left), other=0.0)
         w_t = tl.load(w_ptrs, mask=w_live & (ks[:, None] < k_left), other=0.0)
         acc += tl.dot(x, w_t, input_precision="ieee")  # "ieee": no TF32 for float32
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _linear_partial_kernel(X, W, P, M, N, K, K_PER, stride_xm, stride_wn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-K, first launch: program (n, m, s) sums K range s (K_PER columns from s * K_PER) into
+    P[s] [M, N], float32."""
+    n_block, m_block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = s * K_PER
+    acc = _dot_k_range(X, W, rows, cols, M, N, k_lo, tl.minimum(K, k_lo + K_PER), stride_xm, stride_wn,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+    out = P + (s.to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _split_sum_kernel(P, Bias, Y, M, N, stride_ym, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Split-K, second launch: one row's BLOCK columns, P[0] + P[1] + ... in that order (+ bias),
+    cast to Y's dtype."""
+    row = tl.program_id(0).to(tl.int64)  # rows on the grid's first axis: a prefill's M may pass 65,535
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.load(P + row * N + cols, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(P + (s * M + row) * N + cols, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=x_live & w_live)
+        acc += tl.load(Bias + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,12 +248,24 @@ def _window_attention(q: Tensor, k: Tensor, v: Tensor, old_end: Tensor, recent_s
     recent_slots, recent_ok = recent_slots.contiguous(), recent_ok.contiguous()
     W1 = recent_slots.size(-1)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)  # handed back as [B, H, T, D], as tree_attention
+    BLOCK_D = triton.next_power_of_2(D)
+    chunk = ATTENTION_CHUNK
+    if chunk % ATTENTION_BLOCK_N:
+        raise ValueError(f"ATTENTION_CHUNK ({chunk}) must be a multiple of ATTENTION_BLOCK_N ({ATTENTION_BLOCK_N})")
+    # chunked: one program per chunk of the whole cache (those past a query's old part fold nothing)
+    n_chunks = triton.cdiv(k.size(2), chunk) if chunk else 1
+    part_acc = torch.empty(B * T * H * n_chunks if chunk else 1, BLOCK_D, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(2, part_acc.size(0), dtype=torch.float32, device=q.device)
+    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *old_end.stride())
+    if chunk:
+        _window_chunk_kernel[(T, H, B * n_chunks)](
+            q, k, v, old_end, part_acc, part_ml, *common, H // KV, T, H, n_chunks, part_acc.size(0), D ** -0.5,
+            D=D, BLOCK_D=BLOCK_D, BLOCK_N=ATTENTION_BLOCK_N, CHUNK=chunk, num_warps=ATTENTION_WARPS)
     _window_attention_kernel[(T, H, B)](
-        q, k, v, old_end, recent_slots, recent_ok, out,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *old_end.stride(), recent_slots.stride(0),
-        recent_slots.stride(1), out.stride(0), out.stride(2), out.stride(1),
-        H // KV, W1, D ** -0.5,
-        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=ATTENTION_BLOCK_N, BLOCK_R=triton.next_power_of_2(W1),
+        q, k, v, old_end, recent_slots, recent_ok, out, part_acc, part_ml,
+        *common, recent_slots.stride(0), recent_slots.stride(1), out.stride(0), out.stride(2), out.stride(1),
+        H // KV, W1, D ** -0.5, T, H, n_chunks, part_acc.size(0),
+        D=D, BLOCK_D=BLOCK_D, BLOCK_N=ATTENTION_BLOCK_N, BLOCK_R=triton.next_power_of_2(W1), CHUNK=chunk,
         num_warps=ATTENTION_WARPS)
     return out.transpose(1, 2)
 
@@ -203,16 +291,60 @@ def _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs,
 
 
 @triton.jit
+def _window_chunk_kernel(
+    Q, K, V, OldEnd, PartAcc, PartML,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_eb, stride_et, G, T, H, NC, NP, sm_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """ATTENTION_CHUNK > 0, first launch: program (query, head, batch row x chunk c) folds the old
+    part's slots [c * CHUNK, (c + 1) * CHUNK) below old_end, block by block, into a partial: acc at
+    PartAcc[i], running max at PartML[i], sum at PartML[NP + i], i the index of (b, t, h, c) among NP
+    (B, T, H, NC); a chunk past old_end writes an empty partial, which the second launch never reads."""
+    t, h, bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, c = (bc // NC).to(tl.int64), bc % NC
+    sm_scale = tl.cast(sm_scale, tl.float32)  # a compiled graph passes it as fp64 (tree_attention.py: why)
+    old_end = tl.load(OldEnd + b * stride_eb + t * stride_et)
+    lo = c * CHUNK
+    kv = h // G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + t * stride_qt + d, mask=d_ok, other=0.0).to(tl.float32)
+    K_base, V_base = K + b * stride_kb + kv * stride_kh, V + b * stride_vb + kv * stride_vh
+    # a chunk at or past old_end folds nothing (its partial is never read): no branch around the loop
+    acc, m_i, l_i = _fold_slots(q, K_base, V_base, stride_ks, stride_vs, lo, tl.minimum(old_end, lo + CHUNK),
+                                d, d_ok, sm_scale, BLOCK_D, BLOCK_N)
+    part = ((b * T + t) * H + h) * NC + c
+    tl.store(PartAcc + part * BLOCK_D + d, acc)
+    tl.store(PartML + part, m_i)
+    tl.store(PartML + NP + part, l_i)
+
+
+@triton.jit
+def _fold_slots(q, K_base, V_base, stride_ks, stride_vs, lo, hi, d, d_ok, sm_scale,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Slots lo .. hi - 1 in BLOCK_N blocks from lo: (acc, running max, sum) of the online softmax."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([], 0.0, dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        slots = n0 + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots,
+                                             slots < hi, d, d_ok, sm_scale)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _window_attention_kernel(
-    Q, K, V, OldEnd, Recent, RecentOk, Out,
+    Q, K, V, OldEnd, Recent, RecentOk, Out, PartAcc, PartML,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_eb, stride_et, stride_rb, stride_rt, stride_ob, stride_oh, stride_ot,
-    G, W1, sm_scale,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    G, W1, sm_scale, T, H, NC, NP,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One program per (query, head, batch row): the old part (slots < old_end, in place), block by
-    block from slot 0, then the W + 1 recent positions in their order; every step depends on the
-    query's own position only."""
+    block from slot 0 (CHUNK > 0: the chunks' partials, in chunk order), then the W + 1 recent
+    positions in their order; every step depends on the query's own position only."""
     t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     sm_scale = tl.cast(sm_scale, tl.float32)  # a compiled graph passes it as fp64 (tree_attention.py: why)
     kv = h // G
@@ -220,14 +352,22 @@ def _window_attention_kernel(
     d_ok = d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + t * stride_qt + d, mask=d_ok, other=0.0).to(tl.float32)
     K_base, V_base = K + b * stride_kb + kv * stride_kh, V + b * stride_vb + kv * stride_vh
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([], 0.0, dtype=tl.float32)
     old_end = tl.load(OldEnd + b * stride_eb + t * stride_et)
-    for n0 in range(0, old_end, BLOCK_N):
-        slots = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots,
-                                             slots < old_end, d, d_ok, sm_scale)
+    if CHUNK == 0:
+        acc, m_i, l_i = _fold_slots(q, K_base, V_base, stride_ks, stride_vs, 0, old_end, d, d_ok, sm_scale,
+                                    BLOCK_D, BLOCK_N)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([], 0.0, dtype=tl.float32)
+        first = ((b * T + t) * H + h) * NC
+        for c in range(0, tl.cdiv(old_end, CHUNK)):
+            m_c = tl.load(PartML + first + c)
+            m_new = tl.maximum(m_i, m_c)  # finite: every chunk folded here has a live slot
+            alpha, beta = tl.exp(m_i - m_new), tl.exp(m_c - m_new)
+            acc = acc * alpha + tl.load(PartAcc + (first + c) * BLOCK_D + d) * beta
+            l_i = l_i * alpha + tl.load(PartML + NP + first + c) * beta
+            m_i = m_new
     j = tl.arange(0, BLOCK_R)
     row = b * stride_rb + t * stride_rt
     ok = tl.load(RecentOk + row + j, mask=j < W1, other=0) != 0

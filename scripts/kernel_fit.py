@@ -374,24 +374,41 @@ def unavailable() -> str:
 
 def invariant_launches(ik) -> list:
     """batch-invariant mode's launches (invariant_kernels.py, passed as ik), in bfloat16, float16 and
-    float32: the linear with and without bias at one configuration a dtype, the norm at 8,192
-    (LLaMA-2-70B's width) columns, window attention at head_dim 64 and 128."""
+    float32: the linear with and without bias at one configuration a dtype and its split-K first
+    launch, the norm at 8,192 (LLaMA-2-70B's width) columns, window attention at head_dim 64 and 128
+    as the module's ATTENTION_CHUNK runs it; in bfloat16 only, the launches without tiles that a
+    dtype could push past a limit: split-K's sum and attention's chunk partials."""
     t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")  # noqa: E731
+    f32 = t(torch.float32)
     launches = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for has_bias in (False, True):
             launches.append(Launch("invariant_kernels", "_linear_kernel",
                                    (t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536),
                                    dict(HAS_BIAS=has_bias, **ik.linear_config(dtype))))
+        launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
+                               (t(dtype), t(dtype), f32, 60, 576, 1536, 128, 1536, 1536), ik.linear_config(dtype)))
         launches.append(Launch("invariant_kernels", "_rms_norm_kernel",
                                (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
         for D in (64, 128):
             launches.append(Launch(
                 "invariant_kernels", "_window_attention_kernel",
-                (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype))
+                (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype), f32, f32)
                 + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1, 528, 33, 1 << 16, 128, 64 * 128)
-                + (4, 33, 0.125),
-                dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, num_warps=ik.ATTENTION_WARPS)))
+                + (4, 33, 0.125, 16, 32, 33, 16 * 32 * 33),
+                dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, CHUNK=ik.ATTENTION_CHUNK,
+                     num_warps=ik.ATTENTION_WARPS)))
+    bf16 = t(torch.bfloat16)
+    launches.append(Launch("invariant_kernels", "_split_sum_kernel", (f32, bf16, bf16, 60, 576, 576, 12),
+                           dict(HAS_BIAS=True, BLOCK=ik.SUM_BLOCK)))
+    for D in (64, 128):
+        launches.append(Launch(
+            "invariant_kernels", "_window_chunk_kernel",
+            (bf16, bf16, bf16, t(torch.long), f32, f32)
+            + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1)
+            + (4, 16, 32, 33, 16 * 32 * 33, 0.125),
+            dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, CHUNK=ik.ATTENTION_CHUNK or 2 * ik.ATTENTION_BLOCK_N,
+                 num_warps=ik.ATTENTION_WARPS)))
     return launches
 
 

@@ -19,7 +19,15 @@ put in the code.
                    a 7B's layers against F.linear (cuBLAS), and checked: the last row of the
                    60-row result equals that row computed alone, bit for bit. On an H100 the mode
                    made SmolLM2's compiled step 67 % slower; this says how much the linear's
-                   setting can win back. First in the run, as the open question.
+                   setting can win back.
+  invariant_step   batch-invariant mode's whole one-token step: a random-weight SmolLM2-135M (bf16) at
+                   position 600, eager, replayed as a CUDA graph, under each setting of
+                   invariant_kernels' split-K (LINEAR_SPLIT_PROGRAMS) and attention chunks
+                   (ATTENTION_CHUNK) against the plain step (cuBLAS, SDPA) in the same process; then,
+                   if time is left, the compiled steps (generate.compile_step, as vanilla's) of the
+                   plain target and the invariant one with the module's constants, ~70 s of
+                   compiling each on an H200. Per-kernel sweeps time a launch alone; the step says
+                   what the launches cost together (a 135M step is bound by launches, not bytes).
 Times are triton.testing.do_bench medians (ms). Every configuration is checked against its
 reference first. Each row also says what the kernel's launch_config made of the setting (it keeps
 a launch within the device's shared memory, with fewer stages or smaller blocks where a setting
@@ -60,8 +68,16 @@ INT8_SHAPES = [(12288, 4096, "wqkv"), (4096, 11008, "w2")]  # (N, K, name): a 7B
 # layers more programs (576 columns in BLOCK_N 64: 9 programs for 132 SMs), longer BLOCK_K fewer
 # serial steps
 INVARIANT_LINEAR_SETTINGS = [(16, 64, 64, 4, 3), (16, 32, 64, 4, 3), (16, 16, 64, 2, 3), (16, 32, 128, 4, 3),
-                             (16, 16, 128, 4, 4), (32, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3)]
+                             (16, 16, 128, 4, 4), (16, 16, 256, 4, 3), (16, 32, 256, 4, 3), (16, 16, 256, 2, 2),
+                             (16, 64, 128, 4, 3), (32, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3)]
 INVARIANT_ROWS = [1, 60]
+# invariant_step: settings of invariant_kernels' constants, each against the plain step
+INVARIANT_STEP_SETTINGS = [dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=0), {},
+                           dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=256),
+                           dict(LINEAR_SPLIT_PROGRAMS=66, ATTENTION_CHUNK=0), dict(LINEAR_SPLIT_PROGRAMS=264, ATTENTION_CHUNK=0),
+                           dict(LINEAR_SPLIT_PROGRAMS=132, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=264),
+                           dict(LINEAR_CONFIG_16=(16, 64, 64, 4, 3)), dict(LINEAR_CONFIG_16=(16, 32, 64, 4, 3))]
+STEP_MODEL, STEP_POSITION, STEP_CACHE, STEP_REPS, STEP_DEVICE = "SmolLM2-135M", 600, 2048, 300, "cuda"
 INVARIANT_SHAPES = [(576, 576, "SmolLM2 wq, wo"), (1536, 576, "SmolLM2 w1, w3"), (576, 1536, "SmolLM2 w2"),
                     (49152, 576, "SmolLM2 output"), (4096, 4096, "7B wo"), (11008, 4096, "7B w1")]
 
@@ -212,7 +228,7 @@ def invariant_linear_rows(deadline):
                 with constants(ik, {"LINEAR_CONFIG": {**ik.LINEAR_CONFIG, 2: setting}}):
                     row = dict(case=f"{M} rows x {name} [{N}, {K}]",
                                setting="defaults" if setting == default else launch_text(ik.linear_config(x.dtype)),
-                               cublas_ms=cublas_ms)
+                               config=list(setting), cublas_ms=cublas_ms)  # config: LINEAR_CONFIG's tuple
                     try:
                         y = ik.invariant_linear(x, w)
                         rows.append(dict(row, ms=ms(lambda: ik.invariant_linear(x, w)),
@@ -220,6 +236,88 @@ def invariant_linear_rows(deadline):
                                          last_row_alone_equal=bool(torch.equal(y[-1:], ik.invariant_linear(x[-1:], w)))))
                     except Exception as e:  # noqa: BLE001 - as in tree_attention_rows
                         rows.append(dict(row, ms=does_not_fit(e)))
+    return rows, False
+
+
+def step_models():
+    """The plain and the batch-invariant random-weight targets (same weights), their caches filled to
+    STEP_POSITION, and the one-token step's inputs."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark
+    import generate as gen
+    from model import ModelArgs
+
+    config = ModelArgs.from_name(STEP_MODEL)
+    models = {}
+    for invariant in (False, True):
+        torch.manual_seed(0)
+        model = benchmark.random_model(config, STEP_DEVICE, torch.bfloat16)
+        model.setup_caches(1, STEP_CACHE)
+        if invariant:
+            gen.set_batch_invariant(model)
+        models[invariant] = model
+    prompt = torch.randint(0, config.vocab_size, (1, STEP_POSITION), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(STEP_DEVICE)
+    with torch.no_grad():
+        for model in models.values():
+            model(prompt, torch.arange(STEP_POSITION, device=STEP_DEVICE))
+    return models, prompt[:, -1].clone(), torch.tensor([STEP_POSITION], device=STEP_DEVICE)
+
+
+def time_replays(fn, reps=None) -> float:
+    """ms a call of fn, the best of three runs of STEP_REPS calls (after 30 to warm up)."""
+    reps = reps or STEP_REPS
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e3 / reps)
+    return best
+
+
+def invariant_step_rows(deadline):
+    import generate as gen
+    import invariant_kernels as ik
+    import speculative
+
+    models, token, pos = step_models()
+    with torch.no_grad():
+        def replayed(model):
+            return speculative.cuda_graph(lambda: model(token[:, None], pos))
+
+        plain = time_replays(replayed(models[False]))
+        rows = [dict(case=f"eager step, CUDA graph, position {STEP_POSITION}", setting="plain (cuBLAS, SDPA)",
+                     ms=plain, against_plain=1.0)]
+        for setting in INVARIANT_STEP_SETTINGS:
+            if time.perf_counter() > deadline:
+                return rows, True
+            setting = dict(setting)
+            if "LINEAR_CONFIG_16" in setting:
+                setting["LINEAR_CONFIG"] = {**ik.LINEAR_CONFIG, 2: setting.pop("LINEAR_CONFIG_16")}
+            with constants(ik, setting):
+                name = ", ".join(f"{k}={v[2] if k == 'LINEAR_CONFIG' else v}" for k, v in setting.items()) or "defaults"
+                try:
+                    t = time_replays(replayed(models[True]))
+                    rows.append(dict(rows[0], setting=f"invariant: {name}", ms=t, against_plain=t / plain))
+                except Exception as e:  # noqa: BLE001 - as in tree_attention_rows
+                    rows.append(dict(rows[0], setting=f"invariant: {name}", ms=does_not_fit(e)))
+        # compiled as vanilla's step is: Inductor's fusions beside the kernels, which are opaque ops
+        compiled = {}
+        for invariant in (False, True):
+            if time.perf_counter() > deadline:
+                return rows, True
+            model = models[invariant]
+            step = gen.compile_step(gen.decode_one_token, STEP_DEVICE, model)
+            compiled[invariant] = time_replays(lambda: step(model, token, pos, 0.0, None, None))
+            torch._dynamo.reset()
+            rows.append(dict(case=f"compiled step (generate.compile_step), position {STEP_POSITION}",
+                             setting="invariant: defaults" if invariant else "plain", ms=compiled[invariant],
+                             against_plain=compiled[invariant] / compiled[False]))
     return rows, False
 
 
@@ -244,7 +342,8 @@ def markdown(report: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
-        print(f"dry run: invariant_linear settings {INVARIANT_LINEAR_SETTINGS} at rows {INVARIANT_ROWS}; "
+        print(f"dry run: invariant_step settings {INVARIANT_STEP_SETTINGS}; "
+              f"invariant_linear settings {INVARIANT_LINEAR_SETTINGS} at rows {INVARIANT_ROWS}; "
               f"{', '.join(f'{k} {v}' for k, v in SWEEPS.items())}; int4 at rows {INT4_ROWS}; out {args.out}",
               file=sys.stderr)
         return None
@@ -255,7 +354,8 @@ def main(argv=None):
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   command="python scripts/tune_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   sections={}, left_out=[])
-    for section, measure in (("invariant_linear", invariant_linear_rows), ("tree_attention", tree_attention_rows),
+    for section, measure in (("invariant_step", invariant_step_rows), ("invariant_linear", invariant_linear_rows),
+                             ("tree_attention", tree_attention_rows),
                              ("int8_matmul", int8_rows), ("int4", int4_rows)):
         report["sections"][section], stopped = measure(deadline)
         if stopped:

@@ -61,9 +61,14 @@ def assert_rows_invariant(fn, x, rows=range(1, 65)):
         assert torch.equal(fn(x[:T]), singles[:T]), T
 
 
+# the module's constants for one pass over K and over an old part (the tests without these run its defaults)
+ONE_PASS = dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=0)
+
+
 @pytest.mark.parametrize("device, dtype", LINEAR_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_rows_do_not_depend_on_the_row_count(device, dtype, bias):
+def test_linear_rows_do_not_depend_on_the_row_count(device, dtype, bias, monkeypatch):
+    monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", 0)  # one pass over K (split-K: the next test)
     g = torch.Generator().manual_seed(0)
     K, N = 200, 72  # neither a multiple of the blocks: masked edges in both
     x = torch.randn(64, K, generator=g).to(device, dtype)
@@ -94,6 +99,28 @@ def test_the_linear_reads_its_setting_at_every_call(device, dtype, monkeypatch):
     assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w), x, rows=range(1, 21))
 
 
+@pytest.mark.parametrize("device, dtype", LINEAR_CASES)
+@pytest.mark.parametrize("bias", [True])  # the bias is added once, by the sum (without one: the default's test)
+def test_split_k_linear_is_f_linear_and_its_rows_do_not_depend_on_the_row_count(device, dtype, bias, monkeypatch):
+    """LINEAR_SPLIT_PROGRAMS > 0: K cut into ranges by the weight's shape (the last one short), their
+    float32 sums added in a second launch; the result is still F.linear's and row-count free."""
+    monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", 8)
+    g = torch.Generator().manual_seed(2)
+    K, N = 200, 72
+    launch = ik.linear_config(dtype)
+    splits, k_per = ik.linear_splits(N, K, launch)
+    assert splits > 1 and k_per % launch["BLOCK_K"] == 0 and (splits - 1) * k_per < K <= splits * k_per
+    assert ik.linear_splits(N, K, launch) == ik.linear_splits(N, K, launch)  # nothing but the shape decides
+    x = torch.randn(40, K, generator=g).to(device, dtype)  # 40 rows: two or three row blocks
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+    torch.testing.assert_close(ik.invariant_linear(x, w, b).float(), torch.nn.functional.linear(x, w, b).float(),
+                               **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x, rows=range(1, 41))
+    monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", 2)  # a launch with that many column blocks: one pass
+    assert ik.linear_splits(N, K, launch) == ((1, K) if N > launch["BLOCK_N"] else ik.linear_splits(N, K, launch))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_model_norm(device, dtype):
@@ -118,9 +145,19 @@ def window_case(device, dtype, T, W=8, H=4, KV=2, D=16, S=96, old=40, seed=0):
     return [t.to(device, dtype) for t in (q, k, v)], [t.to(device) for t in mask]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-def test_window_attention_is_attention_and_its_rows_do_not_depend_on_the_row_count(device, dtype):
+CHUNKED = dict(ATTENTION_BLOCK_N=16, ATTENTION_CHUNK=32)  # 2-3 chunks of 2 blocks
+
+
+@pytest.mark.parametrize("device, dtype, setting", [
+    pytest.param(d.values[0], dtype, setting, marks=d.marks, id=f"{name}-{d.values[0]}-{str(dtype)[6:]}")
+    for d in DEVICES for dtype in ALL_DTYPES for name, setting in (("one-pass", ONE_PASS), ("chunked", CHUNKED))
+    if not (d.values[0] == "cpu" and name == "chunked" and dtype != torch.float32)])  # the interpreter: one dtype
+def test_window_attention_is_attention_and_its_rows_do_not_depend_on_the_row_count(device, dtype, setting,
+                                                                                   monkeypatch):
+    """In one pass over the old part and in fixed chunks whose partials a second launch folds in
+    order (ATTENTION_CHUNK; queries here have 40-63 old slots: two chunks, a third past them all)."""
+    for name, value in setting.items():
+        monkeypatch.setattr(ik, name, value)
     T = 24
     (q, k, v), mask = window_case(device, dtype, T)
     out = ik.window_attention(q, k, v, model_module.WindowMask(*mask))
@@ -142,23 +179,41 @@ def test_bad_input_is_a_clear_error(device):
         ik.linear_config(torch.int8)
     with pytest.raises(ValueError, match="rms_norm wants"):
         ik.rms_norm(x, torch.ones(7, device=device), 1e-5)
+    (q, k, v), mask = window_case(device, torch.float32, 2)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ik, "ATTENTION_CHUNK", ik.ATTENTION_BLOCK_N + 1)
+        with pytest.raises(ValueError, match="multiple of ATTENTION_BLOCK_N"):
+            ik.window_attention(q, k, v, model_module.WindowMask(*mask))
     with pytest.raises(ValueError, match="mixture-of-experts"):
         ik.use_invariant_kernels(tiny_target("tiny-mixtral"))
 
 
-@pytest.mark.parametrize("device, dtype", LINEAR_CASES)
+# split-K in every linear of tiny-llama but the output layer (K 64 and 128 in 32-column steps), 3-5
+# chunks of attention's old part
+SPLIT = dict(LINEAR_SPLIT_PROGRAMS=8, LINEAR_CONFIG={**ik.LINEAR_CONFIG, 2: (16, 32, 32, 4, 2)},
+             ATTENTION_BLOCK_N=16, ATTENTION_CHUNK=16)
+
+
+@pytest.mark.parametrize("device, dtype, setting", [
+    pytest.param(*c.values, setting, marks=c.marks, id=f"{name}-{c.values[0]}-{str(c.values[1])[6:]}")
+    for c in LINEAR_CASES for name, setting in (("one-pass", ONE_PASS), ("split", SPLIT))
+    # in the interpreter (0.5-1 min a case): float16 alone (float32's kernels: the kernel tests)
+    if not (c.values[0] == "cpu" and c.values[1] == torch.float32)])
 @torch.no_grad()
-def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, monkeypatch):
+def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, setting, monkeypatch):
     """The whole target (tiny-llama, GQA, two layers) on the kernels, eager: every row of 16- and
-    48-node tree verifies equals the one-token step's logits bit for bit. On the CPU the attention
+    48-node tree verifies equals the one-token step's logits bit for bit, with one pass over K and
+    over the old part, and with split-K linears and chunked attention. On the CPU the attention
     is routed to the kernel as model.attention routes it on CUDA."""
+    for name, value in setting.items():
+        monkeypatch.setattr(ik, name, value)
     if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
         monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
     model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to(device, dtype)
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
     assert model.output.weight is model.tok_embeddings.weight or not model.config.tie_embeddings
     model.invariant_window = 32
-    for P, T, region in ((5, 3, 3), (40, 12, 48)):
+    for P, T, region in ((5, 3, 3), (40, 12, 48)) if setting is ONE_PASS or device == "cuda" else ((40, 12, 48),):
         model.setup_caches(1, 128)
         steps, cases = invariant_cases(model, dtype, P, T, region)
         for case, logits in cases.items():
@@ -182,8 +237,9 @@ print(json.dumps(rows))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
 def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit():
-    """Each kernel's launches (one configuration per dtype for the linear; the norm at 8,192 (LLaMA-2-70B's width)
-    columns; attention at head_dim 64 and 128), compiled ahead of time as scripts/kernel_fit.py
+    """Each kernel's launches (one configuration per dtype for the linear and split-K's first launch,
+    its sum; the norm at 8,192 (LLaMA-2-70B's width) columns; attention and its chunks at head_dim 64
+    and 128), compiled ahead of time as scripts/kernel_fit.py
     does (through its cache, keyed by this kernel file's source): no compile error, shared memory
     within each GPU's per-block limit."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -195,7 +251,8 @@ def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit
     assert out.returncode == 0, out.stderr[-3000:]
     import json
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == 4 * 15
+    assert len(rows) == 4 * len(kernel_fit.invariant_launches(ik))
+    assert len(rows) == 4 * 21  # every kernel: linear (+ split-K's two), norm, attention (+ its chunks)
     for row in rows:
         assert "error" not in row, row
         assert row["shared"] <= row["limit"], row
