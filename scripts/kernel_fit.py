@@ -394,7 +394,8 @@ def invariant_launches(ik) -> list:
             launches.append(Launch(
                 "invariant_kernels", "_window_attention_kernel",
                 (t(dtype), t(dtype), t(dtype), t(torch.long), t(torch.long), t(torch.bool), t(dtype), f32, f32)
-                + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1, 528, 33, 1 << 16, 128, 64 * 128)
+                + (1 << 20, 64, 1 << 14, 1 << 20, 1 << 18, 128, 1 << 20, 1 << 18, 128, 16, 1, 528, 33, 1 << 16, 128,
+                   64 * 128)
                 + (4, 33, 0.125, 16, 32, 33, 16 * 32 * 33),
                 dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, CHUNK=ik.ATTENTION_CHUNK,
                      num_warps=ik.ATTENTION_WARPS)))

@@ -72,11 +72,13 @@ INVARIANT_LINEAR_SETTINGS = [(16, 64, 64, 4, 3), (16, 32, 64, 4, 3), (16, 16, 64
                              (16, 64, 128, 4, 3), (32, 32, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 3)]
 INVARIANT_ROWS = [1, 60]
 # invariant_step: settings of invariant_kernels' constants, each against the plain step
-INVARIANT_STEP_SETTINGS = [dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=0), {},
-                           dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=256),
-                           dict(LINEAR_SPLIT_PROGRAMS=66, ATTENTION_CHUNK=0), dict(LINEAR_SPLIT_PROGRAMS=264, ATTENTION_CHUNK=0),
-                           dict(LINEAR_SPLIT_PROGRAMS=132, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=264),
-                           dict(LINEAR_CONFIG_16=(16, 64, 64, 4, 3)), dict(LINEAR_CONFIG_16=(16, 32, 64, 4, 3))]
+INVARIANT_STEP_SETTINGS = [
+    dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=0), {},  # one pass (the old kernels), the module's defaults
+    dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=256),
+    dict(LINEAR_SPLIT_PROGRAMS=66, ATTENTION_CHUNK=0), dict(LINEAR_SPLIT_PROGRAMS=264, ATTENTION_CHUNK=0),
+    dict(LINEAR_SPLIT_PROGRAMS=132, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=264),
+    dict(LINEAR_CONFIG_16=(16, 64, 64, 4, 3)), dict(LINEAR_CONFIG_16=(16, 32, 64, 4, 3)),  # LINEAR_CONFIG[2]
+]
 STEP_MODEL, STEP_POSITION, STEP_CACHE, STEP_REPS, STEP_DEVICE = "SmolLM2-135M", 600, 2048, 300, "cuda"
 INVARIANT_SHAPES = [(576, 576, "SmolLM2 wq, wo"), (1536, 576, "SmolLM2 w1, w3"), (576, 1536, "SmolLM2 w2"),
                     (49152, 576, "SmolLM2 output"), (4096, 4096, "7B wo"), (11008, 4096, "7B w1")]
