@@ -240,8 +240,8 @@ stage2 random-llama-2-7b-bf16 30 --model_name llama-2-7b
 stage2 random-llama-3.1-8b-bf16 15 --model_name llama-3.1-8b
 stage2 random-llama-2-7b-int8 12 --model_name llama-2-7b --quantize int8
 stage2 random-llama-2-7b-int4-g32 12 --model_name llama-2-7b --quantize int4 --groupsize 32
-# the kernels' launch constants, swept one at a time (batch-invariant mode's whole step, then its linear, first: its GPU cost is
-# issue 22's open figure); and where int4 should hand rows to cuBLAS
+# the kernels' launch constants, swept one at a time (batch-invariant mode's whole step, then its
+# linear, first: its GPU cost is issue 22's open figure); and where int4 should hand rows to cuBLAS
 budget=$(min $(( STAGE2_S * 31 / 100 )) $(( STAGE2_END - SECONDS )))
 run tune-kernels "$budget" "$PY" scripts/tune_kernels.py --time_budget $(( budget > 30 ? budget - 15 : budget / 2 )) \
     --out "$OUT/details/tune-kernels" "${DRYFLAG[@]}"

@@ -266,20 +266,13 @@ def step_models():
     return models, prompt[:, -1].clone(), torch.tensor([STEP_POSITION], device=STEP_DEVICE)
 
 
-def time_replays(fn, reps=None) -> float:
-    """ms a call of fn, the best of three runs of STEP_REPS calls (after 30 to warm up)."""
-    reps = reps or STEP_REPS
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) * 1e3 / reps)
-    return best
+def step_ms(fn) -> float:
+    """ms a call of fn: the best of three runs of STEP_REPS back-to-back calls (benchmark's
+    seconds_per_call), the first after 30 calls to warm up."""
+    import benchmark
+
+    return 1e3 * min(benchmark.seconds_per_call(fn, STEP_REPS, STEP_DEVICE, warmup=30 if i == 0 else 0)
+                     for i in range(3))
 
 
 def invariant_step_rows(deadline):
@@ -292,7 +285,7 @@ def invariant_step_rows(deadline):
         def replayed(model):
             return speculative.cuda_graph(lambda: model(token[:, None], pos))
 
-        plain = time_replays(replayed(models[False]))
+        plain = step_ms(replayed(models[False]))
         rows = [dict(case=f"eager step, CUDA graph, position {STEP_POSITION}", setting="plain (cuBLAS, SDPA)",
                      ms=plain, against_plain=1.0)]
         for setting in INVARIANT_STEP_SETTINGS:
@@ -304,7 +297,7 @@ def invariant_step_rows(deadline):
             with constants(ik, setting):
                 name = ", ".join(f"{k}={v[2] if k == 'LINEAR_CONFIG' else v}" for k, v in setting.items()) or "defaults"
                 try:
-                    t = time_replays(replayed(models[True]))
+                    t = step_ms(replayed(models[True]))
                     rows.append(dict(rows[0], setting=f"invariant: {name}", ms=t, against_plain=t / plain))
                 except Exception as e:  # noqa: BLE001 - as in tree_attention_rows
                     rows.append(dict(rows[0], setting=f"invariant: {name}", ms=does_not_fit(e)))
@@ -315,7 +308,7 @@ def invariant_step_rows(deadline):
                 return rows, True
             model = models[invariant]
             step = gen.compile_step(gen.decode_one_token, STEP_DEVICE, model)
-            compiled[invariant] = time_replays(lambda: step(model, token, pos, 0.0, None, None))
+            compiled[invariant] = step_ms(lambda: step(model, token, pos, 0.0, None, None))
             torch._dynamo.reset()
             rows.append(dict(case=f"compiled step (generate.compile_step), position {STEP_POSITION}",
                              setting="invariant: defaults" if invariant else "plain", ms=compiled[invariant],
