@@ -189,10 +189,12 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     step and of a round against plain decoding without it (issue 22), so that greedy speculative
     output equals plain decoding's in bfloat16 without asking. Compiled bf16 on a CPU without AMX
     (AMD EPYC, Zen 5, SmolLM2, the 4-token default tree; benchmarks/README.md): a step 16.9 against
-    16.6 ms, a round 32.0 against 29.7 ms, MT-bench plain decoding 4.6 % slower. With AMX the step
+    16.6 ms, a round 32.0 against 29.7 ms, MT-bench plain decoding 4.6 % slower; on a Zen 3 (no
+    AVX-512) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms. With AMX the step
     cost 15 % (17.8 against 15.5 ms): off. On CUDA (an H100, SmolLM2 compiled in bf16) a step cost
-    67 % (1.82 against 1.09 ms) and a round ~20 %: off. Quantized files, float16/float32 and eager
-    runs were not timed against the 10 %: off until they are."""
+    67 % (1.82 against 1.09 ms) and a round ~20 % (an H200, split-K and attention chunks: a step
+    69 %): off. Quantized files, float16/float32 and eager runs were not timed against the 10 %:
+    off until they are."""
     return (device == "cpu" and compile and dtype == "bfloat16" and mode_from_path(checkpoint_path)[0] is None
             and not torch.cpu._is_amx_tile_supported()
             and batch_invariant_problem(device, dtype, compile, checkpoint_path) is None)

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -47,7 +48,6 @@ def parse_args(argv=None):
     p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default=None,
                    help="eagle3: the head's dtype (default: --dtype), as generate.py --draft_dtype")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--freezing", action="store_true", help="with --compile: inductor's freezing (weights as constants)")
     p.add_argument("--batch_invariant", action="store_true", help="the target in batch-invariant mode (generate.py's)")
     p.add_argument("--tree_top_k", type=int, default=10)
     p.add_argument("--tree_depth", type=int, default=None, help="default: 6 for eagle2, 8 for eagle3")
@@ -243,7 +243,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     prompt_ids_cache["probe"] = prompt_ids(tokenizer, 0)
     report = dict(command="python scripts/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  hardware=hardware_name("cpu"), torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=hardware_name("cpu"), torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
                   batch_invariant=args.batch_invariant,
                   draft_dtype=args.draft_dtype or args.dtype,
                   speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
@@ -266,7 +266,8 @@ def markdown(report) -> str:
     lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} (draft "
              f"{report.get('draft_dtype', report['dtype'])}, {report['threads']} threads, "
              f"torch {report['torch']}{', batch-invariant target' if report.get('batch_invariant') else ''})", "", f"- command: `{report['command']}`",
-             f"- hardware: {report.get('hardware', 'not recorded')}",
+             f"- hardware: {report.get('hardware', 'not recorded')}; "
+             f"date {report.get('date', 'not recorded')}",
              f"- tree: top_k {report['tree']['top_k']}, depth {report['tree']['depth']}, "
              f"{report['tree']['tokens']} tokens", "",
              f"Eager: a vanilla step {step:.1f} ms; a round {e['round_ms']:.1f} ms = {e['round_ms'] / step:.2f} steps, "
