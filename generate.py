@@ -163,16 +163,14 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
                   (torch's int8/int4 CPU kernels);
                   (eager float32 and float16 GEMMs gave every row of 8- and 30-row verifies apart)
     On CUDA the target runs on invariant_kernels.py's Triton kernels, in every dtype, eager or
-    compiled (proven in Triton's interpreter, compiled ahead of time, and on an H100: SmolLM2 in bf16
-    compiled, every greedy MT-bench answer equal); quantized files and tensor parallelism have no
-    invariant path there."""
+    compiled, int8/int4 files included (their weights dequantized tile by tile inside the kernel;
+    proven in Triton's interpreter, compiled ahead of time, and on an H100: SmolLM2 in bf16
+    compiled, every greedy MT-bench answer equal; the quantized kernels not yet on a GPU); tensor
+    parallelism has no invariant path there."""
     if tp.launched_by_torchrun():
         return "--batch_invariant is built for one process, not under torchrun"
     quantized = mode_from_path(checkpoint_path)[0]
     if device.startswith("cuda"):
-        if quantized is not None:
-            return (f"--batch_invariant on CUDA has no kernel for quantized files ({Path(checkpoint_path).name}): "
-                    f"use the bf16 checkpoint")
         return None
     if device != "cpu":
         return f"--batch_invariant is built for a CPU or CUDA, not --device {device}"

@@ -12,7 +12,9 @@ reduction order depends on nothing but the row:
 
     invariant_linear   x [M, K] @ w [N, K]^T (+ bias): fixed BLOCK_M/N/K for every M, K walked in
                        order; a narrow layer's K in fixed ranges (split-K by the weight's shape),
-                       their float32 sums added in range order by a second launch
+                       their float32 sums added in range order by a second launch. w in x's dtype,
+                       or quantize.py's int8 (per-channel scales) or int4 (nibbles, group scales
+                       and zeros), dequantized tile by tile inside the K loop
     rms_norm           one program per row
     window_attention   one program per query: the old part of the cache in fixed chunks of slots
                        from slot 0 (a program each, BLOCK_N-slot blocks inside), folded in chunk order,
@@ -74,33 +76,64 @@ def linear_config(dtype: torch.dtype) -> dict:
 
 
 @torch.library.custom_op("eagle_gpt_fast::invariant_linear", mutates_args=())
-def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
+                     groupsize: int = 0) -> Tensor:
     """x [M, K] @ weight [N, K]^T + bias [N], in x's dtype (fp32 sums); row i of the result is the
-    same bits for any M."""
-    if x.dim() != 2 or weight.dim() != 2 or x.size(1) != weight.size(1) or x.dtype != weight.dtype or (
-            bias is not None and (bias.shape != (weight.size(0),) or bias.dtype != x.dtype)):
-        raise ValueError(f"invariant_linear wants x [M, K], weight [N, K] and bias [N] of one dtype, got "
-                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}"
-                         f"{'' if bias is None else f', {tuple(bias.shape)} {bias.dtype}'}")
+    same bits for any M. The weight is one of
+        x's dtype [N, K]                  scales None, groupsize 0
+        int8 [N, K]                       scales [N] (any float dtype): y = (x @ q^T) * scales + bias
+        uint8 [N, Kp / 2], int4 nibbles   scales = scales_and_zeros [Kp / groupsize, N, 2]: w = (q - 8)
+                                          * scale + zero per group, Kp = K padded to a whole group
+    (quantize.WeightOnlyInt8Linear's and WeightOnlyInt4Linear's, the latter's portable nibbles). A
+    quantized tile is dequantized to x's dtype in float32 inside the K loop (int8: exactly, its
+    scale applied to the float32 sum), so every row count reads the same values."""
+    problem = _linear_problem(x, weight, bias, scales, groupsize)
+    if problem:
+        raise ValueError(f"invariant_linear wants {problem}")
     _check_device(x, weight)
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     (M, K), N = x.shape, weight.size(0)
+    quant = 0 if scales is None else 4 if groupsize else 8
+    scales_arg = weight if scales is None else scales if scales.is_contiguous() else scales.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     launch = linear_config(x.dtype)
     splits, k_per = linear_splits(N, K, launch)
     grid = (triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(M, launch["BLOCK_M"]))
     bias_arg = weight if bias is None else bias
     if splits == 1:
-        _linear_kernel[grid](x, weight, bias_arg, y, M, N, K,
-                             x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **launch)
+        _linear_kernel[grid](x, weight, scales_arg, bias_arg, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+                             HAS_BIAS=bias is not None, QUANT=quant, GROUP=max(groupsize, 1), **launch)
         return y
     partial = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _linear_partial_kernel[grid + (splits,)](x, weight, partial, M, N, K, k_per, x.stride(0), weight.stride(0),
-                                             **launch)
-    _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](partial, bias_arg, y, M, N, y.stride(0), splits,
-                                                      HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)
+    _linear_partial_kernel[grid + (splits,)](x, weight, scales_arg, partial, M, N, K, k_per, x.stride(0),
+                                             weight.stride(0), QUANT=quant, GROUP=max(groupsize, 1), **launch)
+    _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](partial, scales_arg, bias_arg, y, M, N, y.stride(0), splits,
+                                                      HAS_BIAS=bias is not None, SCALED=quant == 8, BLOCK=SUM_BLOCK)
     return y
+
+
+def _linear_problem(x, weight, bias, scales, groupsize) -> Optional[str]:
+    """What is wrong with invariant_linear's arguments, in words, or None."""
+    got = (f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+           + ("" if bias is None else f", bias {tuple(bias.shape)} {bias.dtype}")
+           + ("" if scales is None else f", scales {tuple(scales.shape)} {scales.dtype}, groupsize {groupsize}"))
+    if x.dim() != 2 or weight.dim() != 2 or not x.is_floating_point():
+        return f"x [M, K] and weight [N, ...] as matrices, x in floating point; {got}"
+    N = weight.size(0)
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        return f"bias [N] in x's dtype; {got}"
+    if scales is None:
+        if groupsize or weight.shape != (N, x.size(1)) or weight.dtype != x.dtype:
+            return f"x [M, K] and weight [N, K] of one dtype (or int8/int4 weights with scales); {got}"
+    elif groupsize == 0:
+        if weight.dtype != torch.int8 or weight.size(1) != x.size(1) or scales.shape != (N,):
+            return f"an int8 weight [N, K] with scales [N]; {got}"
+    elif weight.dtype != torch.uint8 or groupsize <= 0 or scales.shape != (weight.size(1) * 2 // groupsize, N, 2) \
+            or weight.size(1) * 2 % groupsize or not 0 <= weight.size(1) * 2 - x.size(1) < groupsize:
+        return (f"int4 nibbles uint8 [N, Kp / 2] with scales_and_zeros [Kp / groupsize, N, 2], Kp = K padded to "
+                f"a group; {got}")
+    return None
 
 
 SUM_BLOCK = 256  # columns per program of _split_sum_kernel
@@ -117,19 +150,24 @@ def linear_splits(N: int, K: int, launch: dict) -> tuple:
 
 
 @invariant_linear.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, scales=None, groupsize=0):
     return x.new_empty(x.size(0), weight.size(0))
 
 
+# The kernels' QUANT (a constexpr): 0 weights in x's dtype, 8 int8 with per-channel scales (applied
+# to the float32 sums: S [N]), 4 int4 nibbles with GROUP-column scales and zeros (S [K / GROUP, N, 2]).
 @triton.jit
-def _linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+def _linear_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                   QUANT: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_M rows times BLOCK_N output channels, K in BLOCK_K steps from 0 up. A row
     is computed the same in any row block and any grid: nothing here depends on M but the mask."""
     n_block, m_block = tl.program_id(0), tl.program_id(1)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _dot_k_range(X, W, rows, cols, M, N, 0, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _dot_k_range(X, W, S, rows, cols, M, N, 0, K, stride_xm, stride_wn, QUANT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
+    if QUANT == 8:
+        acc *= tl.load(S + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
@@ -137,9 +175,10 @@ def _linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_
 
 
 @triton.jit
-def _dot_k_range(X, W, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in float32, K in BLOCK_K steps from k_lo up."""
+def _dot_k_range(X, W, S, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn, QUANT: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in float32, K in BLOCK_K steps from k_lo up (int8
+    weights unscaled)."""
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + ks[None, :])   # [BLOCK_M, BLOCK_K], moved along K
     w_ptrs = W + cols[None, :] * stride_wn + (k_lo + ks[:, None])   # [BLOCK_K, BLOCK_N]: w^T's block
@@ -148,7 +187,10 @@ def _dot_k_range(X, W, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_left = k_hi - k0
         x = tl.load(x_ptrs, mask=x_live & (ks[None, :] < k_left), other=0.0)
-        w_t = tl.load(w_ptrs, mask=w_live & (ks[:, None] < k_left), other=0.0)
+        if QUANT == 4:
+            w_t = _int4_tile(W, S, cols, k0 + ks, w_live & (ks[:, None] < k_left), N, stride_wn, GROUP).to(x.dtype)
+        else:  # an int8 weight's cast to x's dtype is exact
+            w_t = tl.load(w_ptrs, mask=w_live & (ks[:, None] < k_left), other=0.0).to(x.dtype)
         acc += tl.dot(x, w_t, input_precision="ieee")  # "ieee": no TF32 for float32
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -156,30 +198,45 @@ def _dot_k_range(X, W, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn,
 
 
 @triton.jit
-def _linear_partial_kernel(X, W, P, M, N, K, K_PER, stride_xm, stride_wn,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_tile(W, S, cols, k, live, N, stride_wn, GROUP: tl.constexpr):
+    """w^T[k, cols] of int4 nibbles (two a byte, the even column in the high nibble) in float32:
+    (q - 8) * scale + zero with the scale and zero of k's group, S [K / GROUP, N, 2]."""
+    byte = tl.load(W + cols[None, :] * stride_wn + k[:, None] // 2, mask=live, other=0).to(tl.int32)
+    q = (byte >> ((1 - k[:, None] % 2) * 4)) & 15
+    sz = S + ((k[:, None] // GROUP) * N + cols[None, :]) * 2
+    scale = tl.load(sz, mask=live, other=0.0).to(tl.float32)
+    zero = tl.load(sz + 1, mask=live, other=0.0).to(tl.float32)
+    return (q.to(tl.float32) - 8.0) * scale + zero
+
+
+@triton.jit
+def _linear_partial_kernel(X, W, S, P, M, N, K, K_PER, stride_xm, stride_wn, QUANT: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-K, first launch: program (n, m, s) sums K range s (K_PER columns from s * K_PER) into
-    P[s] [M, N], float32."""
+    P[s] [M, N], float32 (int8 weights unscaled)."""
     n_block, m_block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = s * K_PER
-    acc = _dot_k_range(X, W, rows, cols, M, N, k_lo, tl.minimum(K, k_lo + K_PER), stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _dot_k_range(X, W, S, rows, cols, M, N, k_lo, tl.minimum(K, k_lo + K_PER), stride_xm, stride_wn,
+                       QUANT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
     out = P + (s.to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
     tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit
-def _split_sum_kernel(P, Bias, Y, M, N, stride_ym, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """Split-K, second launch: one row's BLOCK columns, P[0] + P[1] + ... in that order (+ bias),
-    cast to Y's dtype."""
+def _split_sum_kernel(P, S, Bias, Y, M, N, stride_ym, SPLITS, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Split-K, second launch: one row's BLOCK columns, P[0] + P[1] + ... in that order (times an
+    int8 weight's scales S, + bias), cast to Y's dtype."""
     row = tl.program_id(0).to(tl.int64)  # rows on the grid's first axis: a prefill's M may pass 65,535
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     acc = tl.load(P + row * N + cols, mask=ok, other=0.0)
     for s in range(1, SPLITS):
         acc += tl.load(P + (s * M + row) * N + cols, mask=ok, other=0.0)
+    if SCALED:
+        acc *= tl.load(S + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
@@ -381,16 +438,38 @@ def _window_attention_kernel(
 # The model's layers on these kernels
 # ---------------------------------------------------------------------------------------------
 class InvariantLinear(nn.Module):
-    """nn.Linear through invariant_linear; the same weight and bias tensors (tied weights stay tied)."""
+    """nn.Linear, quantize.WeightOnlyInt8Linear or WeightOnlyInt4Linear through invariant_linear, on
+    the layer's own tensors (tied weights stay tied, state-dict keys are the layer's), except that an
+    int4 layer's weight here is its portable nibbles (the file's form; pack() keeps them on CUDA),
+    not the packing of torch's int4 kernel."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Module):
+        from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, linear.bias
+        self.groupsize = 0
+        if isinstance(linear, WeightOnlyInt8Linear):
+            self.register_buffer("weight", linear.weight)
+            self.register_buffer("scales", linear.scales)
+        elif isinstance(linear, WeightOnlyInt4Linear):
+            nibbles = linear.weight if linear.packed_for is None else getattr(linear, "nibbles", None)
+            if nibbles is None:
+                raise ValueError(f"an int4 layer packed for {linear.packed_for} keeps no nibbles for the "
+                                 "batch-invariant kernels: switch the mode on before quantize.pack_int4, or on CUDA")
+            self.register_buffer("weight", nibbles)
+            self.register_buffer("scales_and_zeros", linear.scales_and_zeros)
+            self.groupsize = linear.groupsize
+        else:
+            self.weight, self.scales = linear.weight, None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = invariant_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if self.groupsize:  # int4: the nibbles may hold padding rows (to a multiple of 16), cut here
+            y = invariant_linear(x2, self.weight, None, self.scales_and_zeros, self.groupsize)[:, :self.out_features]
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = invariant_linear(x2, self.weight, self.bias, self.scales)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class InvariantRMSNorm(nn.Module):
@@ -405,19 +484,17 @@ class InvariantRMSNorm(nn.Module):
 
 
 def use_invariant_kernels(model: nn.Module) -> nn.Module:
-    """Swap the target's nn.Linear and RMSNorm modules for InvariantLinear and InvariantRMSNorm (in
-    place; state-dict keys and tied weights are unchanged). Mixture-of-experts layers and quantized
-    linears have no invariant CUDA path: a clear error."""
+    """Swap the target's linears (nn.Linear, int8 and int4) and RMSNorm modules for InvariantLinear
+    and InvariantRMSNorm (in place; state-dict keys and tied weights are unchanged).
+    Mixture-of-experts layers have no invariant CUDA path: a clear error."""
     from model import RMSNorm  # here: model.py imports this module lazily, never the other way round
     from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
     if model.config.num_experts:
         raise ValueError("batch-invariant mode on CUDA has no kernel for mixture-of-experts layers")
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear or isinstance(child, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
                 setattr(parent, name, InvariantLinear(child))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, InvariantRMSNorm(child))
-            elif isinstance(child, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
-                raise ValueError(f"batch-invariant mode on CUDA has no kernel for quantized layers ({type(child).__name__})")
     return model

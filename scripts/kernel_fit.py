@@ -377,17 +377,23 @@ def invariant_launches(ik) -> list:
     float32: the linear with and without bias at one configuration a dtype and its split-K first
     launch, the norm at 8,192 (LLaMA-2-70B's width) columns, window attention at head_dim 64 and 128
     as the module's ATTENTION_CHUNK runs it; in bfloat16 only, the launches without tiles that a
-    dtype could push past a limit: split-K's sum and attention's chunk partials."""
+    dtype could push past a limit: split-K's sum and attention's chunk partials. Quantized weights:
+    int8 and int4 (group 32) in one pass and int4's split-K first launch in bfloat16, int4 in one
+    pass in float32 (its dequantized tile beside float32's register-held tiles), the sum with int8
+    scales."""
     t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")  # noqa: E731
     f32 = t(torch.float32)
     launches = []
+    u8, i8 = t(torch.uint8), t(torch.int8)
+    plain = dict(QUANT=0, GROUP=1)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for has_bias in (False, True):
             launches.append(Launch("invariant_kernels", "_linear_kernel",
-                                   (t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536),
-                                   dict(HAS_BIAS=has_bias, **ik.linear_config(dtype))))
+                                   (t(dtype), t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536),
+                                   dict(HAS_BIAS=has_bias, **plain, **ik.linear_config(dtype))))
         launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
-                               (t(dtype), t(dtype), f32, 60, 576, 1536, 128, 1536, 1536), ik.linear_config(dtype)))
+                               (t(dtype), t(dtype), t(dtype), f32, 60, 576, 1536, 128, 1536, 1536),
+                               dict(**plain, **ik.linear_config(dtype))))
         launches.append(Launch("invariant_kernels", "_rms_norm_kernel",
                                (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
         for D in (64, 128):
@@ -399,9 +405,16 @@ def invariant_launches(ik) -> list:
                 + (4, 33, 0.125, 16, 32, 33, 16 * 32 * 33),
                 dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, CHUNK=ik.ATTENTION_CHUNK,
                      num_warps=ik.ATTENTION_WARPS)))
+    for dtype, weight, quant in ((torch.bfloat16, i8, 8), (torch.bfloat16, u8, 4), (torch.float32, u8, 4)):
+        launches.append(Launch("invariant_kernels", "_linear_kernel",
+                               (t(dtype), weight, t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576 // (8 // quant),
+                                1536), dict(HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(dtype))))
+    launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
+                           (t(torch.bfloat16), u8, t(torch.bfloat16), f32, 60, 576, 1536, 128, 1536, 768),
+                           dict(QUANT=4, GROUP=32, **ik.linear_config(torch.bfloat16))))
     bf16 = t(torch.bfloat16)
-    launches.append(Launch("invariant_kernels", "_split_sum_kernel", (f32, bf16, bf16, 60, 576, 576, 12),
-                           dict(HAS_BIAS=True, BLOCK=ik.SUM_BLOCK)))
+    launches.append(Launch("invariant_kernels", "_split_sum_kernel", (f32, bf16, bf16, bf16, 60, 576, 576, 12),
+                           dict(HAS_BIAS=True, SCALED=True, BLOCK=ik.SUM_BLOCK)))
     for D in (64, 128):
         launches.append(Launch(
             "invariant_kernels", "_window_chunk_kernel",

@@ -245,14 +245,13 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
                   "--tree_tokens", "70", "--device", "cpu", "--no-compile", "--batch_invariant"])
 
 
-def test_batch_invariant_on_cuda_takes_every_dtype_and_refuses_quantized_files(tmp_path, monkeypatch):
-    """On CUDA the mode runs on invariant_kernels.py in every dtype, eager or compiled
-    (tests/test_invariant_kernels.py); quantized files and torchrun are refused in one line."""
+def test_batch_invariant_on_cuda_takes_every_dtype_and_quantized_files_and_refuses_torchrun(tmp_path, monkeypatch):
+    """On CUDA the mode runs on invariant_kernels.py in every dtype, eager or compiled, int8 and int4
+    files too (tests/test_invariant_kernels.py); torchrun is refused in one line."""
     for dtype in ("bfloat16", "float16", "float32"):
         for compile in (False, True):
-            assert gen.batch_invariant_problem("cuda", dtype, compile, tmp_path / "model.pth") is None
-    assert "no kernel for quantized files (model_int8.pth)" in \
-        gen.batch_invariant_problem("cuda:0", "bfloat16", False, tmp_path / "model_int8.pth")
+            for name in ("model.pth", "model_int8.pth", "model_int4.g32.pth"):
+                assert gen.batch_invariant_problem("cuda", dtype, compile, tmp_path / name) is None
     assert "not --device mps" in gen.batch_invariant_problem("mps", "bfloat16", True, tmp_path / "model.pth")
     monkeypatch.setattr(gen.tp, "launched_by_torchrun", lambda: True)
     assert "not under torchrun" in gen.batch_invariant_problem("cuda", "bfloat16", True, tmp_path / "model.pth")

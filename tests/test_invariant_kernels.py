@@ -115,9 +115,58 @@ def test_split_k_linear_is_f_linear_and_its_rows_do_not_depend_on_the_row_count(
     b = torch.randn(N, generator=g).to(device, dtype) if bias else None
     torch.testing.assert_close(ik.invariant_linear(x, w, b).float(), torch.nn.functional.linear(x, w, b).float(),
                                **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
-    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x)
+    # the interpreter's float32 case: T = 1..24 (its BLOCK_M of 16 in one and two row blocks), for time
+    interpreted_float32 = device == "cpu" and dtype == torch.float32
+    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x,
+                          rows=range(1, 25) if interpreted_float32 else range(1, 65))
     monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", 2)  # N = 72 is 2 or 3 column blocks: one pass
     assert ik.linear_splits(N, K, launch) == (1, K)
+
+
+@pytest.mark.parametrize("device, dtype", [c for c in LINEAR_CASES
+                                           if c.values[0] == "cuda" or c.values[1] == torch.float16])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("split", [0, 8])
+def test_quantized_linears_dequantize_in_the_kernel_and_their_rows_do_not_depend_on_the_row_count(
+        device, dtype, quant, split, monkeypatch):
+    """quantize.py's int8 and int4 layers through InvariantLinear (use_invariant_kernels' swap): the
+    kernel dequantizes tile by tile, the result is the layer's dequantized weight times x (+ bias),
+    and row t is the same bits for every row count, in one pass over K and split. K = 200 and
+    N = 72 are no multiples of int4's group of 32 nor of its 16-row padding: the kernel masks the
+    padded columns and the layer cuts the padded rows. (Interpreter: float16, T = 1..24.)"""
+    import quantize
+    monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", split)
+    g = torch.Generator().manual_seed(3)
+    K, N = 200, 72
+    linear = torch.nn.Linear(K, N, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(N, K, generator=g) / K ** 0.5)
+        linear.bias.copy_(torch.randn(N, generator=g))
+    if quant == "int8":
+        layer = quantize.WeightOnlyInt8Linear.from_linear(linear)
+        w = quantize.dequantize_int8(layer.weight, layer.scales)
+    else:
+        layer = quantize.WeightOnlyInt4Linear.from_linear(linear, 32)
+        assert layer.padded
+        w = quantize.dequantize_int4(quantize.unpack_nibbles(layer.weight), layer.scales_and_zeros, 32)[:N, :K]
+    if split:
+        assert ik.linear_splits(N, K, ik.linear_config(dtype))[0] > 1
+    fast = ik.InvariantLinear(layer.to(device, dtype))
+    x = torch.randn(64, K, generator=g).to(device, dtype)
+    expected = torch.nn.functional.linear(x.float(), w.to(device)) + linear.bias.to(device)
+    torch.testing.assert_close(fast(x).float(), expected,
+                               **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
+    assert_rows_invariant(fast, x, rows=range(1, 65) if device == "cuda" else range(1, 25))
+
+
+def test_an_int4_layer_packed_for_the_cpu_is_a_clear_error():
+    """quantize.pack_int4 on a CPU replaces the nibbles by torch's CPU packing (and keeps no nibbles):
+    the kernels cannot read it, so the swap says so in one line."""
+    import quantize
+    layer = quantize.WeightOnlyInt4Linear.from_linear(torch.nn.Linear(64, 32), 32).to(torch.bfloat16)
+    layer.pack()
+    with pytest.raises(ValueError, match="keeps no nibbles"):
+        ik.InvariantLinear(layer)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,6 +223,14 @@ def test_bad_input_is_a_clear_error(device):
     x = torch.zeros(2, 8, device=device)
     with pytest.raises(ValueError, match="invariant_linear wants"):
         ik.invariant_linear(x, torch.zeros(4, 7, device=device))
+    q8 = torch.zeros(4, 8, dtype=torch.int8, device=device)
+    with pytest.raises(ValueError, match="int8 weight .N, K. with scales .N."):
+        ik.invariant_linear(x, q8, None, torch.ones(5, device=device))
+    with pytest.raises(ValueError, match="of one dtype"):  # an int8 weight without its scales
+        ik.invariant_linear(x, q8)
+    nibbles = torch.zeros(16, 16, dtype=torch.uint8, device=device)  # K padded to 32 = 2 groups of 16
+    with pytest.raises(ValueError, match="int4 nibbles"):  # K = 8 is a whole group short of 32
+        ik.invariant_linear(x, nibbles, None, torch.ones(2, 16, 2, device=device), 16)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         ik.linear_config(torch.int8)
     with pytest.raises(ValueError, match="rms_norm wants"):
@@ -196,30 +253,45 @@ SPLIT = dict(LINEAR_SPLIT_PROGRAMS=8, LINEAR_CONFIG={**ik.LINEAR_CONFIG, 2: (16,
 @pytest.mark.parametrize("device, dtype, setting", [
     pytest.param(*c.values, setting, marks=c.marks, id=f"{name}-{c.values[0]}-{str(c.values[1])[6:]}")
     for c in LINEAR_CASES for name, setting in (("one-pass", ONE_PASS), ("split", SPLIT))
-    # in the interpreter (~1 min a case): the defaults' kind (split, chunks) in float16 alone; one pass
+    # in the interpreter (~30 s a case): the defaults' kind (split, chunks) in float16 alone; one pass
     # over K and the old part, and float32's kernels, are the kernel tests'
     if c.values[0] == "cuda" or (name == "split" and c.values[1] == torch.float16)])
 @torch.no_grad()
-def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, setting, monkeypatch):
+def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, setting, monkeypatch,
+                                                                          quant=None):
     """The whole target (tiny-llama, GQA, two layers) on the kernels, eager: every row of 3- and
     48-node tree verifies equals the one-token step's logits bit for bit, with one pass over K and
-    over the old part, and with split-K linears and chunked attention. In the interpreter one
-    layer and the 48-node verify. On the CPU the attention is routed to the kernel as
-    model.attention routes it on CUDA."""
+    over the old part, and with split-K linears and chunked attention (and on CUDA int8 and int4
+    targets, next test). In the interpreter one layer and a 24-node verify. On the CPU the
+    attention is routed to the kernel as model.attention routes it on CUDA."""
     for name, value in setting.items():
         monkeypatch.setattr(ik, name, value)
     if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
         monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
-    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2 if device == "cuda" else 1)).to(device, dtype)
+    target = tiny_target("tiny-llama", n_layer=2 if device == "cuda" else 1)
+    if quant:
+        import quantize
+        quantize.quantize_model(target, quant)  # int4 unpacked: the nibbles are what the kernel reads
+    model = ik.use_invariant_kernels(target).to(device, dtype)
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
-    assert model.output.weight is model.tok_embeddings.weight or not model.config.tie_embeddings
+    assert quant or model.output.weight is model.tok_embeddings.weight or not model.config.tie_embeddings
     model.invariant_window = 16
-    for P, T, region in ((5, 3, 3), (40, 12, 48)) if device == "cuda" else ((40, 12, 48),):
+    # in the interpreter 24 nodes: split's BLOCK_M of 16 still gives the verify two row blocks
+    for P, T, region in ((5, 3, 3), (40, 12, 48)) if device == "cuda" else ((40, 12, 24),):
         model.setup_caches(1, 128)
         steps, cases = invariant_cases(model, dtype, P, T, region)
         for case, logits in cases.items():
             assert torch.equal(logits, steps), (case, P, T)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantized_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(quant, monkeypatch):
+    """The same for int8 and int4 targets in bf16, split-K and chunks (on the CPU: the layer test
+    above, test_quantized_linears_...)."""
+    test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps("cuda", torch.bfloat16, SPLIT, monkeypatch,
+                                                                          quant)
 
 CHECK_FIT = r"""
 import json, torch, kernel_fit, invariant_kernels as ik
@@ -239,10 +311,10 @@ print(json.dumps(rows))
 @pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
 def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit():
     """Each kernel's launches (one configuration per dtype for the linear and split-K's first launch,
-    its sum; the norm at 8,192 (LLaMA-2-70B's width) columns; attention and its chunks at head_dim 64
-    and 128), compiled ahead of time as scripts/kernel_fit.py
-    does (through its cache, keyed by this kernel file's source): no compile error, shared memory
-    within each GPU's per-block limit."""
+    its sum; int8 and int4 weights; the norm at 8,192 (LLaMA-2-70B's width) columns; attention and
+    its chunks at head_dim 64 and 128), compiled ahead of time as scripts/kernel_fit.py does (through
+    its cache, keyed by this kernel file's source): no compile error, shared memory within each
+    GPU's per-block limit."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import kernel_fit
     if kernel_fit.unavailable():
@@ -253,7 +325,8 @@ def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit
     import json
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(rows) == 4 * len(kernel_fit.invariant_launches(ik))
-    assert len(rows) == 4 * 21  # every kernel: linear (+ split-K's two), norm, attention (+ its chunks)
+    # every kernel: linear (+ split-K's two; int8/int4 weights), norm, attention (+ its chunks)
+    assert len(rows) == 4 * 25
     for row in rows:
         assert "error" not in row, row
         assert row["shared"] <= row["limit"], row
