@@ -507,7 +507,8 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
     """make_decoder's decode function for a Speculator: caches for max_seq_length tokens plus the
     last round's overshoot, compiled if asked."""
     if spec.target.invariant_window is not None and not args.compile:
-        rows = eager_invariant_rows(spec.target)  # asked of this CPU's GEMMs (model.py)
+        # asked of this CPU's GEMMs (model.py), up to the tree's size: all that this run needs to know
+        rows = eager_invariant_rows(spec.target, most=spec.n_nodes)
         if spec.n_nodes > rows:
             raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} nodes on this "
                              f"CPU (tree tokens + lookup), this one has {spec.n_nodes}: compile, or pass a smaller "
