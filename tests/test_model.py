@@ -300,14 +300,19 @@ def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
             assert torch.equal(logits, steps), (case, P, T)
 
 
+# the eager tests below ask eager_invariant_rows up to 32 rows, all of them: one probe of SmolLM2's
+# shapes (its LM head's ~6 s on a 2-core Zen 3), cached for the rest (tests/test_speculative.py too)
+EAGER_ROWS_ASKED = 32
+
+
 @torch.no_grad()
 def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
     """model.eager_invariant_rows: every row count up to its answer gives each row of each of the
     model's linears the bits of a one-row call (checked here on other data than the probe's), and
-    where it is below EAGER_ROWS_PROBED one more row does not, for some linear."""
+    where it is below what was asked one more row does not, for some linear."""
     import model as m
     net = smollm2_two_layers_bf16()
-    rows = m.eager_invariant_rows(net)
+    rows = m.eager_invariant_rows(net, most=EAGER_ROWS_ASKED)
     assert m.eager_invariant_rows(net, most=3) == min(3, rows)  # generate.py asks up to a tree's size
     linears = [mod for mod in net.modules() if type(mod) is torch.nn.Linear]
     x = torch.randn(rows + 1, net.config.intermediate_size, generator=torch.Generator().manual_seed(5))
@@ -315,7 +320,7 @@ def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
         xs = x[:, :lin.in_features].to(torch.bfloat16)
         alone = torch.cat([lin(r) for r in xs.split(1)])
         assert all(torch.equal(lin(xs[:n]), alone[:n]) for n in range(1, rows + 1)), lin
-    if rows < m.EAGER_ROWS_PROBED:  # some linear gives a call of rows + 1 other bits
+    if rows < EAGER_ROWS_ASKED:  # some linear gives a call of rows + 1 other bits
         assert any(m._eager_linear_rows(lin.weight.dtype, lin.out_features, lin.in_features, most=rows + 1) == rows
                    for lin in linears)
 
@@ -337,7 +342,7 @@ def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
     side depends on the CPU and is not asserted."""
     model = smollm2_two_layers_bf16()
     model.invariant_window = 32
-    region = min(32, eager_invariant_rows(model))
+    region = eager_invariant_rows(model, most=EAGER_ROWS_ASKED)
     steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
     assert all(torch.equal(logits, steps) for logits in cases.values())
 

@@ -221,7 +221,7 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_
 
     target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.bfloat16)
     target.invariant_window = model.INVARIANT_WINDOW
-    nodes = min(24, model.eager_invariant_rows(target))
+    nodes = min(24, model.eager_invariant_rows(target, most=32))  # 32: as tests/test_model.py asks (cached)
     if nodes < 2:  # generate.py refuses such runs in one line (tests/test_generate.py)
         pytest.skip("this CPU's eager bf16 GEMMs give a one-row call's bits to no call of 2 rows: no tree fits")
     lookup = min(8, nodes // 3)
@@ -233,7 +233,7 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_
             else draft_for(method, target).to(torch.bfloat16)
         specs[method] = speculative.Speculator(target, draft, tree_top_k=8, tree_depth=4, tree_tokens=nodes - lookup,
                                                lookup=lookup, stop_ids=tokenizer.stop_ids)
-    for text in CHAT_PROMPTS[:3]:
+    for text in CHAT_PROMPTS[:2]:
         prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
         expected = vanilla(target, prompt, 32, stop_ids=tokenizer.stop_ids)
         for method, spec in specs.items():
