@@ -405,10 +405,12 @@ def invariant_launches(ik) -> list:
                 + (4, 33, 0.125, 16, 32, 33, 16 * 32 * 33),
                 dict(D=D, BLOCK_D=D, BLOCK_N=ik.ATTENTION_BLOCK_N, BLOCK_R=64, CHUNK=ik.ATTENTION_CHUNK,
                      num_warps=ik.ATTENTION_WARPS)))
-    for dtype, weight, quant in ((torch.bfloat16, i8, 8), (torch.bfloat16, u8, 4), (torch.float32, u8, 4)):
+    # (x's dtype, weight, QUANT, the weight's row stride for K = 576: int4 packs two columns a byte)
+    for dtype, weight, quant, stride_wn in ((torch.bfloat16, i8, 8, 576), (torch.bfloat16, u8, 4, 288),
+                                            (torch.float32, u8, 4, 288)):
         launches.append(Launch("invariant_kernels", "_linear_kernel",
-                               (t(dtype), weight, t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576 // (8 // quant),
-                                1536), dict(HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(dtype))))
+                               (t(dtype), weight, t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, stride_wn, 1536),
+                               dict(HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(dtype))))
     launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
                            (t(torch.bfloat16), u8, t(torch.bfloat16), f32, 60, 576, 1536, 128, 1536, 768),
                            dict(QUANT=4, GROUP=32, **ik.linear_config(torch.bfloat16))))

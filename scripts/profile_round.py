@@ -243,7 +243,8 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     prompt_ids_cache["probe"] = prompt_ids(tokenizer, 0)
     report = dict(command="python scripts/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=hardware_name("cpu"), torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=hardware_name("cpu"),
+                  torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
                   batch_invariant=args.batch_invariant,
                   draft_dtype=args.draft_dtype or args.dtype,
                   speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
