@@ -12,7 +12,8 @@ reduction order depends on nothing but the row:
 
     invariant_linear   x [M, K] @ w [N, K]^T (+ bias): fixed BLOCK_M/N/K for every M, K walked in
                        order; a narrow layer's K in fixed ranges (split-K by the weight's shape),
-                       their float32 sums added in range order by a second launch. w in x's dtype,
+                       their float32 sums added in range order by a second launch (or by each
+                       tile's last range to finish: LINEAR_FOLD_SPLITS). w in x's dtype,
                        or quantize.py's int8 (per-channel scales) or int4 (nibbles, group scales
                        and zeros), dequantized tile by tile inside the K loop
     rms_norm           one program per row
@@ -49,6 +50,15 @@ LINEAR_CONFIG = {2: (32, 64, 64, 4, 3), 4: (16, 32, 32, 8, 2)}
 # alone, never by the row count, so a row's sums stay the same for any M) and a second launch adds
 # the ranges' float32 partial sums in range order. 0: one pass over K.
 LINEAR_SPLIT_PROGRAMS = 132
+# Split-K in one launch instead of two: each range stores its float32 sums and counts itself in on
+# a counter per output tile; the tile's last range to arrive (whichever it is) adds all the ranges
+# in range order, as the second launch would (the same bits), and re-arms the counter. A step of a
+# small model is bound by its launches' count, and this removes one a linear. The publication
+# order rests on the GPU's memory model (a block barrier, then an acquire-release atomic at GPU
+# scope; the sums read past L1): proven in Triton's interpreter, which runs programs one after
+# another, and in the compiled PTX (tests/test_invariant_kernels.py), not yet run on a GPU, so off.
+LINEAR_FOLD_SPLITS = False
+FOLD_TILES = 4096  # counters a device keeps for it: a launch of more output tiles (a long prefill) takes two launches
 ATTENTION_BLOCK_N = 64  # cache slots per block of window_attention's old part
 ATTENTION_WARPS = 4
 # Chunked attention for long prefixes (flash-decoding with a fixed chunk): with ATTENTION_CHUNK > 0
@@ -106,10 +116,14 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, s
                              HAS_BIAS=bias is not None, QUANT=quant, GROUP=max(groupsize, 1), **launch)
         return y
     partial = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _linear_partial_kernel[grid + (splits,)](x, weight, scales_arg, partial, M, N, K, k_per, x.stride(0),
-                                             weight.stride(0), QUANT=quant, GROUP=max(groupsize, 1), **launch)
-    _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](partial, scales_arg, bias_arg, y, M, N, y.stride(0), splits,
-                                                      HAS_BIAS=bias is not None, SCALED=quant == 8, BLOCK=SUM_BLOCK)
+    fold = LINEAR_FOLD_SPLITS and grid[0] * grid[1] <= FOLD_TILES
+    counts = tile_counters(x.device) if fold else partial  # (partial: a pointer the kernel never reads)
+    _linear_partial_kernel[grid + (splits,)](x, weight, scales_arg, bias_arg, partial, y, counts, M, N, K, k_per,
+                                             splits, x.stride(0), weight.stride(0), y.stride(0), FOLD=fold,
+                                             HAS_BIAS=bias is not None, QUANT=quant, GROUP=max(groupsize, 1), **launch)
+    if not fold:
+        _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](partial, scales_arg, bias_arg, y, M, N, y.stride(0), splits,
+                                                          HAS_BIAS=bias is not None, SCALED=quant == 8, BLOCK=SUM_BLOCK)
     return y
 
 
@@ -147,6 +161,22 @@ def linear_splits(N: int, K: int, launch: dict) -> tuple:
         return 1, K
     k_per = triton.cdiv(k_blocks, min(k_blocks, triton.cdiv(LINEAR_SPLIT_PROGRAMS, n_blocks))) * launch["BLOCK_K"]
     return triton.cdiv(K, k_per), k_per
+
+
+_TILE_COUNTERS = {}  # device -> int32 [FOLD_TILES], all zero between launches
+
+
+def tile_counters(device: torch.device) -> Tensor:
+    """The device's split-K tile counters. Made once and never freed or replaced: a captured CUDA
+    graph keeps their address. Each launch leaves them at zero, so launches in stream order share
+    them (this project runs one stream)."""
+    device = torch.device(device)
+    if device not in _TILE_COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("invariant_linear's split-K counters are made on the first call, which must not be "
+                               "inside a CUDA graph capture: run the model once before capturing it")
+        _TILE_COUNTERS[device] = torch.zeros(FOLD_TILES, dtype=torch.int32, device=device)
+    return _TILE_COUNTERS[device]
 
 
 @invariant_linear.register_fake
@@ -210,35 +240,57 @@ def _int4_tile(W, S, cols, k, live, N, stride_wn, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _linear_partial_kernel(X, W, S, P, M, N, K, K_PER, stride_xm, stride_wn, QUANT: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_partial_kernel(X, W, S, Bias, P, Y, Counts, M, N, K, K_PER, SPLITS, stride_xm, stride_wn, stride_ym,
+                           FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-K, first launch: program (n, m, s) sums K range s (K_PER columns from s * K_PER) into
-    P[s] [M, N], float32 (int8 weights unscaled)."""
+    P[s] [M, N], float32 (int8 weights unscaled). FOLD: then the tile's last range to arrive adds
+    the ranges into Y itself (LINEAR_FOLD_SPLITS); otherwise _split_sum_kernel does, next."""
     n_block, m_block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = s * K_PER
     acc = _dot_k_range(X, W, S, rows, cols, M, N, k_lo, tl.minimum(K, k_lo + K_PER), stride_xm, stride_wn,
                        QUANT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
-    out = P + (s.to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    live = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(P + (s.to(tl.int64) * M + rows[:, None]) * N + cols[None, :], acc, mask=live)
+    if FOLD:
+        # Every thread's stores are issued before the count that publishes them (the barrier), and
+        # the count releases them to, and acquires them for, whichever program counts last.
+        tl.debug_barrier()
+        tile = m_block * tl.num_programs(0) + n_block
+        arrived = tl.atomic_add(Counts + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            y = _add_ranges(P, S, Bias, rows[:, None].to(tl.int64), cols[None, :], live, cols[None, :] < N, M, N,
+                            SPLITS, HAS_BIAS, QUANT == 8)
+            tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=live)
+            tl.store(Counts + tile, 0)  # re-armed for the next launch, which stream order puts after this one
+
+
+@triton.jit
+def _add_ranges(P, S, Bias, rows, cols, live, cols_live, M, N, SPLITS, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
+    """P[0] + P[1] + ... of P [SPLITS, M, N] at rows (int64) and cols, in that order (times an int8
+    weight's scales S, + bias), float32. The loads go to L2 (.cg): a range summed on another SM is
+    not in this one's L1."""
+    acc = tl.load(P + rows * N + cols, mask=live, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLITS):
+        acc += tl.load(P + (s * M + rows) * N + cols, mask=live, other=0.0, cache_modifier=".cg")
+    if SCALED:
+        acc *= tl.load(S + cols, mask=cols_live, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=cols_live, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
 def _split_sum_kernel(P, S, Bias, Y, M, N, stride_ym, SPLITS, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """Split-K, second launch: one row's BLOCK columns, P[0] + P[1] + ... in that order (times an
-    int8 weight's scales S, + bias), cast to Y's dtype."""
+    """Split-K, second launch: one row's BLOCK columns, the ranges added in order (_add_ranges),
+    cast to Y's dtype."""
     row = tl.program_id(0).to(tl.int64)  # rows on the grid's first axis: a prefill's M may pass 65,535
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    acc = tl.load(P + row * N + cols, mask=ok, other=0.0)
-    for s in range(1, SPLITS):
-        acc += tl.load(P + (s * M + row) * N + cols, mask=ok, other=0.0)
-    if SCALED:
-        acc *= tl.load(S + cols, mask=ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=ok, other=0.0).to(tl.float32)
+    acc = _add_ranges(P, S, Bias, row, cols, ok, ok, M, N, SPLITS, HAS_BIAS, SCALED)
     tl.store(Y + row * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
 
 

@@ -375,25 +375,28 @@ def unavailable() -> str:
 def invariant_launches(ik) -> list:
     """batch-invariant mode's launches (invariant_kernels.py, passed as ik), in bfloat16, float16 and
     float32: the linear with and without bias at one configuration a dtype and its split-K first
-    launch, the norm at 8,192 (LLaMA-2-70B's width) columns, window attention at head_dim 64 and 128
-    as the module's ATTENTION_CHUNK runs it; in bfloat16 only, the launches without tiles that a
-    dtype could push past a limit: split-K's sum and attention's chunk partials. Quantized weights:
-    int8 and int4 (group 32) in one pass and int4's split-K first launch in bfloat16, int4 in one
-    pass in float32 (its dequantized tile beside float32's register-held tiles), the sum with int8
-    scales."""
+    launch (alone, and with the sum folded in), the norm at 8,192 (LLaMA-2-70B's width) columns,
+    window attention at head_dim 64 and 128 as the module's ATTENTION_CHUNK runs it; in bfloat16
+    only, the launches without tiles that a dtype could push past a limit: split-K's sum and
+    attention's chunk partials. Quantized weights: int8 and int4 (group 32) in one pass and int4's
+    split-K first launch in bfloat16, int4 in one pass in float32 (its dequantized tile beside
+    float32's register-held tiles), the sum with int8 scales, and split-K with the sum folded in
+    for int4 and int8 in bfloat16."""
     t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")  # noqa: E731
     f32 = t(torch.float32)
     launches = []
-    u8, i8 = t(torch.uint8), t(torch.int8)
+    u8, i8, i32 = t(torch.uint8), t(torch.int8), t(torch.int32)
     plain = dict(QUANT=0, GROUP=1)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for has_bias in (False, True):
             launches.append(Launch("invariant_kernels", "_linear_kernel",
                                    (t(dtype), t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536),
                                    dict(HAS_BIAS=has_bias, **plain, **ik.linear_config(dtype))))
-        launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
-                               (t(dtype), t(dtype), t(dtype), f32, 60, 576, 1536, 128, 1536, 1536),
-                               dict(**plain, **ik.linear_config(dtype))))
+        for fold in (False, True):  # split-K's sums by a second launch, or folded in (LINEAR_FOLD_SPLITS)
+            launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
+                                   (t(dtype), t(dtype), t(dtype), t(dtype), f32, t(dtype), i32)
+                                   + (60, 576, 1536, 128, 12, 1536, 1536, 576),
+                                   dict(FOLD=fold, HAS_BIAS=fold, **plain, **ik.linear_config(dtype))))
         launches.append(Launch("invariant_kernels", "_rms_norm_kernel",
                                (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
         for D in (64, 128):
@@ -411,10 +414,11 @@ def invariant_launches(ik) -> list:
         launches.append(Launch("invariant_kernels", "_linear_kernel",
                                (t(dtype), weight, t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, stride_wn, 1536),
                                dict(HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(dtype))))
-    launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
-                           (t(torch.bfloat16), u8, t(torch.bfloat16), f32, 60, 576, 1536, 128, 1536, 768),
-                           dict(QUANT=4, GROUP=32, **ik.linear_config(torch.bfloat16))))
     bf16 = t(torch.bfloat16)
+    for weight, quant, stride_wn, fold in ((u8, 4, 768, False), (u8, 4, 768, True), (i8, 8, 1536, True)):
+        launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
+                               (bf16, weight, bf16, bf16, f32, bf16, i32, 60, 576, 1536, 128, 12, 1536, stride_wn, 576),
+                               dict(FOLD=fold, HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(torch.bfloat16))))
     launches.append(Launch("invariant_kernels", "_split_sum_kernel", (f32, bf16, bf16, bf16, 60, 576, 576, 12),
                            dict(HAS_BIAS=True, SCALED=True, BLOCK=ik.SUM_BLOCK)))
     for D in (64, 128):
@@ -483,22 +487,15 @@ class Compiler:
         floats as fp32; inside a torch.compile'd graph Inductor passes them as fp64 on CUDA
         (torch._inductor.codegen.triton_utils.signature_of), so "fp64" compiles what a compiled
         graph runs."""
-        import triton
         from triton import knobs
-        from triton.compiler import ASTSource
 
-        jit, backend, target, bound, specialization, options = self._bind(launch, capability)
-        options, signature, constexprs, attrs = jit._pack_args(backend, launch.kwargs, bound, specialization, options)
-        if float_args != "fp32":  # scalars only: a float32 tensor's pointer is "*fp32"
-            signature = {name: float_args if kind == "fp32" else kind for name, kind in signature.items()}
         log = io.StringIO()
         start = time.perf_counter()
         try:
             with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
                 knobs.nvidia.dump_ptxas_log = True  # printed by a real compile only: no cache
                 knobs.compilation.always_compile = True
-                compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target,
-                                          options=vars(options))
+                compiled = self._triton_compile(launch, capability, float_args)
         except Exception as e:  # noqa: BLE001 - a compile error is a result here
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return dict(error=f"{type(e).__name__}: {first}"[:300], seconds=time.perf_counter() - start)
@@ -507,6 +504,20 @@ class Compiler:
         spills = re.search(r"(\d+) bytes spill stores", text)
         return dict(shared=compiled.metadata.shared, registers=int(regs.group(1)) if regs else None,
                     spill_stores=int(spills.group(1)) if spills else 0, seconds=time.perf_counter() - start)
+
+    def ptx(self, launch: Launch, capability: tuple) -> str:
+        """The launch's PTX for the target: what a test reads to see how a kernel orders its memory."""
+        return self._triton_compile(launch, capability).asm["ptx"]
+
+    def _triton_compile(self, launch: Launch, capability: tuple, float_args: str = "fp32"):
+        import triton
+        from triton.compiler import ASTSource
+
+        jit, backend, target, bound, specialization, options = self._bind(launch, capability)
+        options, signature, constexprs, attrs = jit._pack_args(backend, launch.kwargs, bound, specialization, options)
+        if float_args != "fp32":  # scalars only: a float32 tensor's pointer is "*fp32"
+            signature = {name: float_args if kind == "fp32" else kind for name, kind in signature.items()}
+        return triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=vars(options))
 
 
 def cached_compile(compiler: Compiler, launch: Launch, capability: tuple, cache_dir: Path = None,

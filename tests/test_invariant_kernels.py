@@ -123,6 +123,47 @@ def test_split_k_linear_is_f_linear_and_its_rows_do_not_depend_on_the_row_count(
     assert ik.linear_splits(N, K, launch) == (1, K)
 
 
+class _NoSecondLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("a folded split-K call launched _split_sum_kernel")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_split_k_folded_into_one_launch_gives_the_two_launches_bits(device, quant, monkeypatch):
+    """LINEAR_FOLD_SPLITS: each output tile's last K range to finish adds the ranges itself, in range
+    order. Its result is the two-launch split-K's bit for bit at every row count (so its rows do
+    not depend on the row count either), it launches no second kernel, it leaves its counters at
+    zero for the next call, and a launch of more tiles than FOLD_TILES takes the two launches. On a
+    GPU, where the ranges finish in any order, each call is repeated to give a race its chance."""
+    monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", 8)
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(4)
+    K, N = 200, 72
+    assert ik.linear_splits(N, K, ik.linear_config(dtype))[0] > 1
+    x = torch.randn(64, K, generator=g).to(device, dtype)
+    bias = torch.randn(N, generator=g).to(device, dtype)
+    if quant == "int8":
+        weight = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8).to(device)
+        scales = (torch.rand(N, generator=g) / 100).to(device, dtype)
+    else:
+        weight, scales = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype), None
+    empty = torch.empty  # the kernels' buffers born NaN: a sum read before it is written shows
+    monkeypatch.setattr(torch, "empty", lambda *size, **kw: empty(*size, **kw).fill_(float("nan")))
+    rows = range(1, 65) if device == "cuda" else range(1, 25)
+    two_launches = [ik.invariant_linear(x[:T], weight, bias, scales) for T in rows]
+    monkeypatch.setattr(ik, "LINEAR_FOLD_SPLITS", True)
+    second_launch = ik._split_sum_kernel
+    monkeypatch.setattr(ik, "_split_sum_kernel", _NoSecondLaunch())
+    for T, expected in zip(rows, two_launches):
+        for _ in range(20 if device == "cuda" else 1):
+            assert torch.equal(ik.invariant_linear(x[:T], weight, bias, scales), expected), T
+    assert not ik.tile_counters(x.device).any()
+    monkeypatch.setattr(ik, "_split_sum_kernel", second_launch)
+    monkeypatch.setattr(ik, "FOLD_TILES", 1)  # N = 72 is two column blocks
+    assert torch.equal(ik.invariant_linear(x[:3], weight, bias, scales), two_launches[2])
+
+
 @pytest.mark.parametrize("device, dtype", [c for c in LINEAR_CASES
                                            if c.values[0] == "cuda" or c.values[1] == torch.float16])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -248,21 +289,23 @@ def test_bad_input_is_a_clear_error(device):
 # old part of attention (24-35 slots behind a window of 16) in chunks of 32 slots, 2 blocks each
 SPLIT = dict(LINEAR_SPLIT_PROGRAMS=8, LINEAR_CONFIG={**ik.LINEAR_CONFIG, 2: (16, 32, 32, 4, 2)},
              ATTENTION_BLOCK_N=16, ATTENTION_CHUNK=32)
+FOLDED = dict(SPLIT, LINEAR_FOLD_SPLITS=True)  # the same with split-K's sums added by its first launch
 
 
 @pytest.mark.parametrize("device, dtype, setting", [
     pytest.param(*c.values, setting, marks=c.marks, id=f"{name}-{c.values[0]}-{str(c.values[1])[6:]}")
-    for c in LINEAR_CASES for name, setting in (("one-pass", ONE_PASS), ("split", SPLIT))
+    for c in LINEAR_CASES for name, setting in (("one-pass", ONE_PASS), ("split", SPLIT), ("folded", FOLDED))
     # in the interpreter (~30 s a case): the defaults' kind (split, chunks) in float16 alone; one pass
-    # over K and the old part, and float32's kernels, are the kernel tests'
+    # over K and the old part, float32's kernels and the folded sum (the same bits as split's, in an
+    # interpreter that runs one program after another) are the kernel tests'
     if c.values[0] == "cuda" or (name == "split" and c.values[1] == torch.float16)])
 @torch.no_grad()
 def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, setting, monkeypatch,
                                                                           quant=None):
     """The whole target (tiny-llama, GQA, two layers) on the kernels, eager: every row of 3- and
     48-node tree verifies equals the one-token step's logits bit for bit, with one pass over K and
-    over the old part, and with split-K linears and chunked attention (and on CUDA int8 and int4
-    targets, next test). In the interpreter one layer and a 24-node verify. On the CPU the
+    over the old part, and with split-K linears (their sums added by a second launch, or folded
+    into the first) and chunked attention (and on CUDA int8 and int4 targets, next test). In the interpreter one layer and a 24-node verify. On the CPU the
     attention is routed to the kernel as model.attention routes it on CUDA."""
     for name, value in setting.items():
         monkeypatch.setattr(ik, name, value)
@@ -293,6 +336,20 @@ def test_a_quantized_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_s
     test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps("cuda", torch.bfloat16, SPLIT, monkeypatch,
                                                                           quant)
 
+def compiled_ahead_of_time(script: str):
+    """What script prints last, as JSON: it runs in a fresh interpreter with Triton's interpreter
+    off, so that scripts/kernel_fit.py compiles the kernels for a GPU this machine lacks."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_fit
+    if kernel_fit.unavailable():
+        pytest.skip(f"no ahead-of-time CUDA compilation here: {kernel_fit.unavailable()}")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{ROOT}:{ROOT / 'scripts'}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 CHECK_FIT = r"""
 import json, torch, kernel_fit, invariant_kernels as ik
 compiler = kernel_fit.Compiler()
@@ -315,21 +372,49 @@ def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit
     its chunks at head_dim 64 and 128), compiled ahead of time as scripts/kernel_fit.py does (through
     its cache, keyed by this kernel file's source): no compile error, shared memory within each
     GPU's per-block limit."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    rows = compiled_ahead_of_time(CHECK_FIT)
     import kernel_fit
-    if kernel_fit.unavailable():
-        pytest.skip(f"no ahead-of-time CUDA compilation here: {kernel_fit.unavailable()}")
-    out = subprocess.run([sys.executable, "-c", CHECK_FIT], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{ROOT}:{ROOT / 'scripts'}"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(rows) == 4 * len(kernel_fit.invariant_launches(ik))
-    # every kernel: linear (+ split-K's two; int8/int4 weights), norm, attention (+ its chunks)
-    assert len(rows) == 4 * 25
+    # every kernel: linear (+ split-K's two, or one with the sum folded in; int8/int4 weights), norm,
+    # attention (+ its chunks)
+    assert len(rows) == 4 * 30
     for row in rows:
         assert "error" not in row, row
         assert row["shared"] <= row["limit"], row
+
+
+FOLD_PTX = r"""
+import json, kernel_fit, invariant_kernels as ik
+compiler = kernel_fit.Compiler()
+compiler.add_module("invariant_kernels")
+folds = [launch for launch in kernel_fit.invariant_launches(ik)
+         if launch.kernel == "_linear_partial_kernel" and launch.kwargs["FOLD"]]
+print(json.dumps([compiler.ptx(folds[i], capability) for i in (0, -1) for capability in ((8, 0), (9, 0))]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
+def test_a_folded_split_k_publishes_its_sums_before_it_counts_them():
+    """LINEAR_FOLD_SPLITS rests on the order of memory operations on the GPU, which Triton's
+    interpreter (one program after another) cannot show. The PTX for sm_80 and sm_90 (bf16, and
+    int8 weights) has it: the range's float32 sums stored by every thread, a block barrier, one
+    thread's acquire-release atomic add at GPU scope on the tile's counter, its count shared through
+    a barrier, then the other ranges' sums loaded past L1 (ld.global.cg), the output stored and the
+    counter re-armed."""
+    for ptx in compiled_ahead_of_time(FOLD_PTX):
+        code = [line.strip() for line in ptx.splitlines()
+                if line.strip() and not line.strip().startswith(("//", ".loc"))]
+        atoms = [i for i, line in enumerate(code) if "atom." in line]
+        assert len(atoms) == 1, atoms
+        atom = atoms[0]
+        assert ".acq_rel" in code[atom] and ".gpu" in code[atom] and ".add" in code[atom], code[atom]
+        last_store = max(i for i, line in enumerate(code[:atom]) if "st.global" in line)
+        assert any(line.startswith("bar.sync") for line in code[last_store:atom]), code[last_store:atom + 1]
+        after = code[atom + 1:]
+        first_load = min(i for i, line in enumerate(after) if "ld.global" in line)
+        assert any(line.startswith("bar.sync") for line in after[:first_load])  # the count reaches every thread
+        assert sum("ld.global.cg" in line for line in after) >= 2  # range 0 and the others, past L1
+        assert any("st.global" in line for line in after)
 
 
 @pytest.mark.parametrize("device", DEVICES)
