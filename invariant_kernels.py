@@ -59,6 +59,12 @@ LINEAR_SPLIT_PROGRAMS = 132
 # another, and in the compiled PTX (tests/test_invariant_kernels.py), not yet run on a GPU, so off.
 LINEAR_FOLD_SPLITS = False
 FOLD_TILES = 4096  # counters a device keeps for it: a launch of more output tiles (a long prefill) takes two launches
+# A block's RMSNorm inside the linears it feeds (wqkv; w1 and w3): with FUSE_NORMS each of their
+# programs computes its rows' RMS itself (K in BLOCK_K steps, the same for any M) and normalises x
+# tile by tile as rms_norm would before the dot, and the norm launches nothing. Two launches fewer
+# a layer; the sums of squares are added in another order than rms_norm's, so the logits change in
+# the last bits (a verify's rows still equal the steps'). Read at every call: off until timed on a GPU.
+FUSE_NORMS = False
 ATTENTION_BLOCK_N = 64  # cache slots per block of window_attention's old part
 ATTENTION_WARPS = 4
 # Chunked attention for long prefixes (flash-decoding with a fixed chunk): with ATTENTION_CHUNK > 0
@@ -87,7 +93,7 @@ def linear_config(dtype: torch.dtype) -> dict:
 
 @torch.library.custom_op("eagle_gpt_fast::invariant_linear", mutates_args=())
 def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
-                     groupsize: int = 0) -> Tensor:
+                     groupsize: int = 0, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0) -> Tensor:
     """x [M, K] @ weight [N, K]^T + bias [N], in x's dtype (fp32 sums); row i of the result is the
     same bits for any M. The weight is one of
         x's dtype [N, K]                  scales None, groupsize 0
@@ -96,8 +102,10 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, s
                                           * scale + zero per group, Kp = K padded to a whole group
     (quantize.WeightOnlyInt8Linear's and WeightOnlyInt4Linear's, the latter's portable nibbles). A
     quantized tile is dequantized to x's dtype in float32 inside the K loop (int8: exactly, its
-    scale applied to the float32 sum), so every row count reads the same values."""
-    problem = _linear_problem(x, weight, bias, scales, groupsize)
+    scale applied to the float32 sum), so every row count reads the same values. With norm_weight
+    [K] (x's dtype) x is first RMS-normalised row by row, as rms_norm(x, norm_weight, norm_eps) but
+    inside the kernel (FUSE_NORMS)."""
+    problem = _linear_problem(x, weight, bias, scales, groupsize, norm_weight)
     if problem:
         raise ValueError(f"invariant_linear wants {problem}")
     _check_device(x, weight)
@@ -111,32 +119,39 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, s
     splits, k_per = linear_splits(N, K, launch)
     grid = (triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(M, launch["BLOCK_M"]))
     bias_arg = weight if bias is None else bias
+    norm = dict(NORM=norm_weight is not None)
+    norm_arg = weight if norm_weight is None else norm_weight
     if splits == 1:
-        _linear_kernel[grid](x, weight, scales_arg, bias_arg, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-                             HAS_BIAS=bias is not None, QUANT=quant, GROUP=max(groupsize, 1), **launch)
+        _linear_kernel[grid](x, weight, scales_arg, bias_arg, norm_arg, y, M, N, K, x.stride(0), weight.stride(0),
+                             y.stride(0), norm_eps, HAS_BIAS=bias is not None, QUANT=quant, GROUP=max(groupsize, 1),
+                             **norm, **launch)
         return y
     partial = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     fold = LINEAR_FOLD_SPLITS and grid[0] * grid[1] <= FOLD_TILES
     counts = tile_counters(x.device) if fold else partial  # (partial: a pointer the kernel never reads)
-    _linear_partial_kernel[grid + (splits,)](x, weight, scales_arg, bias_arg, partial, y, counts, M, N, K, k_per,
-                                             splits, x.stride(0), weight.stride(0), y.stride(0), FOLD=fold,
-                                             HAS_BIAS=bias is not None, QUANT=quant, GROUP=max(groupsize, 1), **launch)
+    _linear_partial_kernel[grid + (splits,)](x, weight, scales_arg, bias_arg, norm_arg, partial, y, counts, M, N, K,
+                                             k_per, splits, x.stride(0), weight.stride(0), y.stride(0), norm_eps,
+                                             FOLD=fold, HAS_BIAS=bias is not None, QUANT=quant,
+                                             GROUP=max(groupsize, 1), **norm, **launch)
     if not fold:
         _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](partial, scales_arg, bias_arg, y, M, N, y.stride(0), splits,
                                                           HAS_BIAS=bias is not None, SCALED=quant == 8, BLOCK=SUM_BLOCK)
     return y
 
 
-def _linear_problem(x, weight, bias, scales, groupsize) -> Optional[str]:
+def _linear_problem(x, weight, bias, scales, groupsize, norm_weight=None) -> Optional[str]:
     """What is wrong with invariant_linear's arguments, in words, or None."""
     got = (f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
            + ("" if bias is None else f", bias {tuple(bias.shape)} {bias.dtype}")
+           + ("" if norm_weight is None else f", norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}")
            + ("" if scales is None else f", scales {tuple(scales.shape)} {scales.dtype}, groupsize {groupsize}"))
     if x.dim() != 2 or weight.dim() != 2 or not x.is_floating_point():
         return f"x [M, K] and weight [N, ...] as matrices, x in floating point; {got}"
     N = weight.size(0)
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
         return f"bias [N] in x's dtype; {got}"
+    if norm_weight is not None and (norm_weight.shape != (x.size(1),) or norm_weight.dtype != x.dtype):
+        return f"norm_weight [K] in x's dtype; {got}"
     if scales is None:
         if groupsize or weight.shape != (N, x.size(1)) or weight.dtype != x.dtype:
             return f"x [M, K] and weight [N, K] of one dtype (or int8/int4 weights with scales); {got}"
@@ -180,22 +195,23 @@ def tile_counters(device: torch.device) -> Tensor:
 
 
 @invariant_linear.register_fake
-def _(x, weight, bias=None, scales=None, groupsize=0):
+def _(x, weight, bias=None, scales=None, groupsize=0, norm_weight=None, norm_eps=0.0):
     return x.new_empty(x.size(0), weight.size(0))
 
 
 # The kernels' QUANT (a constexpr): 0 weights in x's dtype, 8 int8 with per-channel scales (applied
 # to the float32 sums: S [N]), 4 int4 nibbles with GROUP-column scales and zeros (S [K / GROUP, N, 2]).
 @triton.jit
-def _linear_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                   QUANT: tl.constexpr, GROUP: tl.constexpr,
+def _linear_kernel(X, W, S, Bias, NW, Y, M, N, K, stride_xm, stride_wn, stride_ym, eps, HAS_BIAS: tl.constexpr,
+                   QUANT: tl.constexpr, GROUP: tl.constexpr, NORM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_M rows times BLOCK_N output channels, K in BLOCK_K steps from 0 up. A row
     is computed the same in any row block and any grid: nothing here depends on M but the mask."""
     n_block, m_block = tl.program_id(0), tl.program_id(1)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _dot_k_range(X, W, S, rows, cols, M, N, 0, K, stride_xm, stride_wn, QUANT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _dot_k_range(X, W, S, NW, rows, cols, M, N, K, 0, K, stride_xm, stride_wn, eps, QUANT, GROUP, NORM,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     if QUANT == 8:
         acc *= tl.load(S + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -205,11 +221,14 @@ def _linear_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, H
 
 
 @triton.jit
-def _dot_k_range(X, W, S, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn, QUANT: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot_k_range(X, W, S, NW, rows, cols, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps, QUANT: tl.constexpr,
+                 GROUP: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in float32, K in BLOCK_K steps from k_lo up (int8
-    weights unscaled)."""
+    weights unscaled). NORM: x's rows RMS-normalised over all of K and times NW first."""
     ks = tl.arange(0, BLOCK_K)
+    if NORM:
+        inv_rms = _inverse_rms(X, rows, M, K, stride_xm, eps, BLOCK_M, BLOCK_K)
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + ks[None, :])   # [BLOCK_M, BLOCK_K], moved along K
     w_ptrs = W + cols[None, :] * stride_wn + (k_lo + ks[:, None])   # [BLOCK_K, BLOCK_N]: w^T's block
     x_live, w_live = rows[:, None] < M, cols[None, :] < N
@@ -217,6 +236,10 @@ def _dot_k_range(X, W, S, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn, QU
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_left = k_hi - k0
         x = tl.load(x_ptrs, mask=x_live & (ks[None, :] < k_left), other=0.0)
+        if NORM:  # rms_norm's roundings: normalised to x's dtype, then times the weight in float32
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
+            nw = tl.load(NW + k0 + ks, mask=ks < k_left, other=0.0).to(tl.float32)
+            x = (nw[None, :] * normed.to(tl.float32)).to(x.dtype)
         if QUANT == 4:
             w_t = _int4_tile(W, S, cols, k0 + ks, w_live & (ks[:, None] < k_left), N, stride_wn, GROUP).to(x.dtype)
         else:  # an int8 weight's cast to x's dtype is exact
@@ -225,6 +248,19 @@ def _dot_k_range(X, W, S, rows, cols, M, N, k_lo, k_hi, stride_xm, stride_wn, QU
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def _inverse_rms(X, rows, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS(x[rows]) in float32: each row's squares summed a BLOCK_K tile at a time from k = 0,
+    the same order for any M (eps in float32, as model.RMSNorm adds it)."""
+    ks = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks[None, :]),
+                    mask=(rows[:, None] < M) & (k0 + ks[None, :] < K), other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=1)
+    return tl.rsqrt(squares / K + tl.cast(eps, tl.float32))
 
 
 @triton.jit
@@ -240,9 +276,9 @@ def _int4_tile(W, S, cols, k, live, N, stride_wn, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _linear_partial_kernel(X, W, S, Bias, P, Y, Counts, M, N, K, K_PER, SPLITS, stride_xm, stride_wn, stride_ym,
-                           FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_partial_kernel(X, W, S, Bias, NW, P, Y, Counts, M, N, K, K_PER, SPLITS, stride_xm, stride_wn, stride_ym,
+                           eps, FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                           NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-K, first launch: program (n, m, s) sums K range s (K_PER columns from s * K_PER) into
     P[s] [M, N], float32 (int8 weights unscaled). FOLD: then the tile's last range to arrive adds
     the ranges into Y itself (LINEAR_FOLD_SPLITS); otherwise _split_sum_kernel does, next."""
@@ -250,8 +286,8 @@ def _linear_partial_kernel(X, W, S, Bias, P, Y, Counts, M, N, K, K_PER, SPLITS, 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = s * K_PER
-    acc = _dot_k_range(X, W, S, rows, cols, M, N, k_lo, tl.minimum(K, k_lo + K_PER), stride_xm, stride_wn,
-                       QUANT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _dot_k_range(X, W, S, NW, rows, cols, M, N, K, k_lo, tl.minimum(K, k_lo + K_PER), stride_xm, stride_wn,
+                       eps, QUANT, GROUP, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
     live = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(P + (s.to(tl.int64) * M + rows[:, None]) * N + cols[None, :], acc, mask=live)
     if FOLD:
@@ -495,9 +531,12 @@ class InvariantLinear(nn.Module):
     int4 layer's weight here is its portable nibbles (the file's form; pack() keeps them on CUDA),
     not the packing of torch's int4 kernel."""
 
-    def __init__(self, linear: nn.Module):
+    def __init__(self, linear: nn.Module, norm: Optional["InvariantRMSNorm"] = None):
         from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
         super().__init__()
+        # the RMSNorm that feeds this layer, normalised inside the kernel while FUSE_NORMS: a plain
+        # reference, not a submodule, so its weight keeps its one place (and key) in the block
+        self.__dict__["norm"] = norm
         self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, linear.bias
         self.groupsize = 0
         if isinstance(linear, WeightOnlyInt8Linear):
@@ -516,30 +555,40 @@ class InvariantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
+        fused = self.norm is not None and FUSE_NORMS
+        norm_weight, eps = (self.norm.weight, self.norm.eps) if fused else (None, 0.0)
         if self.groupsize:  # int4: the nibbles may hold padding rows (to a multiple of 16), cut here
-            y = invariant_linear(x2, self.weight, None, self.scales_and_zeros, self.groupsize)[:, :self.out_features]
+            y = invariant_linear(x2, self.weight, None, self.scales_and_zeros, self.groupsize,
+                                 norm_weight, eps)[:, :self.out_features]
             y = y if self.bias is None else y + self.bias
         else:
-            y = invariant_linear(x2, self.weight, self.bias, self.scales)
+            y = invariant_linear(x2, self.weight, self.bias, self.scales, 0, norm_weight, eps)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class InvariantRMSNorm(nn.Module):
-    """model.RMSNorm through rms_norm; the same weight tensor."""
+    """model.RMSNorm through rms_norm; the same weight tensor. A norm whose output only linears
+    read (fused_into_linears, set by use_invariant_kernels) passes x on unchanged while FUSE_NORMS:
+    those linears normalise it themselves."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
         self.eps, self.weight = norm.eps, norm.weight
+        self.fused_into_linears = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused_into_linears and FUSE_NORMS:
+            return x
         return rms_norm(x.reshape(-1, x.size(-1)), self.weight, self.eps).view(x.shape)
 
 
 def use_invariant_kernels(model: nn.Module) -> nn.Module:
     """Swap the target's linears (nn.Linear, int8 and int4) and RMSNorm modules for InvariantLinear
     and InvariantRMSNorm (in place; state-dict keys and tied weights are unchanged).
-    Mixture-of-experts layers have no invariant CUDA path: a clear error."""
-    from model import RMSNorm  # here: model.py imports this module lazily, never the other way round
+    Each block's two norms feed only linears (attention_norm wqkv, ffn_norm w1 and w3), which
+    then normalise their input themselves while FUSE_NORMS. Mixture-of-experts layers have no
+    invariant CUDA path: a clear error."""
+    from model import FeedForward, RMSNorm, TransformerBlock  # here: model.py imports this module lazily
     from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
     if model.config.num_experts:
         raise ValueError("batch-invariant mode on CUDA has no kernel for mixture-of-experts layers")
@@ -549,4 +598,11 @@ def use_invariant_kernels(model: nn.Module) -> nn.Module:
                 setattr(parent, name, InvariantLinear(child))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, InvariantRMSNorm(child))
+    for block in model.modules():
+        if isinstance(block, TransformerBlock) and type(block.feed_forward) is FeedForward:
+            for norm, linears in ((block.attention_norm, [block.attention.wqkv]),
+                                  (block.ffn_norm, [block.feed_forward.w1, block.feed_forward.w3])):
+                norm.fused_into_linears = True
+                for linear in linears:
+                    linear.__dict__["norm"] = norm
     return model

@@ -381,21 +381,22 @@ def invariant_launches(ik) -> list:
     attention's chunk partials. Quantized weights: int8 and int4 (group 32) in one pass and int4's
     split-K first launch in bfloat16, int4 in one pass in float32 (its dequantized tile beside
     float32's register-held tiles), the sum with int8 scales, and split-K with the sum folded in
-    for int4 and int8 in bfloat16."""
+    for int4 and int8 in bfloat16. A block's norm fused into the linear (FUSE_NORMS): one pass in
+    bfloat16 and float32, split-K with the sum folded in in bfloat16."""
     t = lambda dtype: torch.empty(0, dtype=dtype, device="meta")  # noqa: E731
     f32 = t(torch.float32)
     launches = []
     u8, i8, i32 = t(torch.uint8), t(torch.int8), t(torch.int32)
-    plain = dict(QUANT=0, GROUP=1)
+    plain = dict(QUANT=0, GROUP=1, NORM=False)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for has_bias in (False, True):
             launches.append(Launch("invariant_kernels", "_linear_kernel",
-                                   (t(dtype), t(dtype), t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, 576, 1536),
+                                   (t(dtype),) * 6 + (60, 1536, 576, 576, 576, 1536, 1e-5),
                                    dict(HAS_BIAS=has_bias, **plain, **ik.linear_config(dtype))))
         for fold in (False, True):  # split-K's sums by a second launch, or folded in (LINEAR_FOLD_SPLITS)
             launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
-                                   (t(dtype), t(dtype), t(dtype), t(dtype), f32, t(dtype), i32)
-                                   + (60, 576, 1536, 128, 12, 1536, 1536, 576),
+                                   (t(dtype),) * 5 + (f32, t(dtype), i32)
+                                   + (60, 576, 1536, 128, 12, 1536, 1536, 576, 1e-5),
                                    dict(FOLD=fold, HAS_BIAS=fold, **plain, **ik.linear_config(dtype))))
         launches.append(Launch("invariant_kernels", "_rms_norm_kernel",
                                (t(dtype), t(dtype), t(dtype), 8192, 8192, 8192, 1e-5), dict(BLOCK=8192)))
@@ -412,13 +413,24 @@ def invariant_launches(ik) -> list:
     for dtype, weight, quant, stride_wn in ((torch.bfloat16, i8, 8, 576), (torch.bfloat16, u8, 4, 288),
                                             (torch.float32, u8, 4, 288)):
         launches.append(Launch("invariant_kernels", "_linear_kernel",
-                               (t(dtype), weight, t(dtype), t(dtype), t(dtype), 60, 1536, 576, 576, stride_wn, 1536),
-                               dict(HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(dtype))))
+                               (t(dtype), weight) + (t(dtype),) * 4 + (60, 1536, 576, 576, stride_wn, 1536, 1e-5),
+                               dict(HAS_BIAS=False, QUANT=quant, GROUP=32, NORM=False, **ik.linear_config(dtype))))
     bf16 = t(torch.bfloat16)
     for weight, quant, stride_wn, fold in ((u8, 4, 768, False), (u8, 4, 768, True), (i8, 8, 1536, True)):
         launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
-                               (bf16, weight, bf16, bf16, f32, bf16, i32, 60, 576, 1536, 128, 12, 1536, stride_wn, 576),
-                               dict(FOLD=fold, HAS_BIAS=False, QUANT=quant, GROUP=32, **ik.linear_config(torch.bfloat16))))
+                               (bf16, weight, bf16, bf16, bf16, f32, bf16, i32)
+                               + (60, 576, 1536, 128, 12, 1536, stride_wn, 576, 1e-5),
+                               dict(FOLD=fold, HAS_BIAS=False, QUANT=quant, GROUP=32, NORM=False,
+                                    **ik.linear_config(torch.bfloat16))))
+    # a block's norm inside its linears (FUSE_NORMS): one pass in bfloat16 and float32, split-K folded in bfloat16
+    for dtype in (torch.bfloat16, torch.float32):
+        launches.append(Launch("invariant_kernels", "_linear_kernel",
+                               (t(dtype),) * 6 + (60, 1536, 576, 576, 576, 1536, 1e-5),
+                               dict(HAS_BIAS=False, QUANT=0, GROUP=1, NORM=True, **ik.linear_config(dtype))))
+    launches.append(Launch("invariant_kernels", "_linear_partial_kernel",
+                           (bf16,) * 5 + (f32, bf16, i32) + (60, 576, 1536, 128, 12, 1536, 1536, 576, 1e-5),
+                           dict(FOLD=True, HAS_BIAS=False, QUANT=0, GROUP=1, NORM=True,
+                                **ik.linear_config(torch.bfloat16))))
     launches.append(Launch("invariant_kernels", "_split_sum_kernel", (f32, bf16, bf16, bf16, 60, 576, 576, 12),
                            dict(HAS_BIAS=True, SCALED=True, BLOCK=ik.SUM_BLOCK)))
     for D in (64, 128):

@@ -22,11 +22,12 @@ put in the code.
                    setting can win back.
   invariant_step   batch-invariant mode's whole one-token step: a random-weight SmolLM2-135M (bf16) at
                    position 600, eager, replayed as a CUDA graph, under each setting of
-                   invariant_kernels' split-K (LINEAR_SPLIT_PROGRAMS, LINEAR_FOLD_SPLITS) and
-                   attention chunks (ATTENTION_CHUNK) against the plain step (cuBLAS, SDPA) in the
-                   same process; then, if time is left, the compiled steps (generate.compile_step,
-                   as vanilla's) of the plain target, the invariant one with the module's
-                   constants and with split-K's sum folded in, ~70 s of compiling each on an H200. Per-kernel sweeps time a launch alone; the step says
+                   invariant_kernels' split-K (LINEAR_SPLIT_PROGRAMS, LINEAR_FOLD_SPLITS), fused
+                   norms (FUSE_NORMS) and attention chunks (ATTENTION_CHUNK) against the plain step
+                   (cuBLAS, SDPA) in the same process; then, if time is left, the compiled steps
+                   (generate.compile_step, as vanilla's) of the plain target, the invariant one
+                   with the module's constants and with split-K's sum folded in and the norms
+                   fused, ~70 s of compiling each on an H200. Per-kernel sweeps time a launch alone; the step says
                    what the launches cost together (a 135M step is bound by launches, not bytes).
 Times are triton.testing.do_bench medians (ms). Every configuration is checked against its
 reference first. Each row also says what the kernel's launch_config made of the setting (it keeps
@@ -75,6 +76,7 @@ INVARIANT_ROWS = [1, 60]
 INVARIANT_STEP_SETTINGS = [
     dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=0), {},  # one pass (the old kernels), the module's defaults
     dict(LINEAR_FOLD_SPLITS=True),  # split-K's sum folded into its first launch: one launch a linear, not two
+    dict(FUSE_NORMS=True), dict(LINEAR_FOLD_SPLITS=True, FUSE_NORMS=True),  # a block's norms inside its linears
     dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=0, ATTENTION_CHUNK=256),
     dict(LINEAR_SPLIT_PROGRAMS=66, ATTENTION_CHUNK=0), dict(LINEAR_SPLIT_PROGRAMS=264, ATTENTION_CHUNK=0),
     dict(LINEAR_SPLIT_PROGRAMS=132, ATTENTION_CHUNK=64), dict(LINEAR_SPLIT_PROGRAMS=264),
@@ -304,8 +306,9 @@ def invariant_step_rows(deadline):
                     rows.append(dict(rows[0], setting=f"invariant: {name}", ms=does_not_fit(e)))
         # compiled as vanilla's step is: Inductor's fusions beside the kernels, which are opaque ops
         compiled = {}
+        fewer_launches = dict(LINEAR_FOLD_SPLITS=True, FUSE_NORMS=True)
         for name, invariant, setting in (("plain", False, {}), ("invariant: defaults", True, {}),
-                                         ("invariant: LINEAR_FOLD_SPLITS=True", True, dict(LINEAR_FOLD_SPLITS=True))):
+                                         ("invariant: LINEAR_FOLD_SPLITS=True, FUSE_NORMS=True", True, fewer_launches)):
             if time.perf_counter() > deadline:
                 return rows, True
             model = models[invariant]

@@ -123,6 +123,57 @@ def test_split_k_linear_is_f_linear_and_its_rows_do_not_depend_on_the_row_count(
     assert ik.linear_splits(N, K, launch) == (1, K)
 
 
+def reference_rms_norm(x, weight, eps):
+    """model.RMSNorm's arithmetic in torch (rms_norm's reference)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+@pytest.mark.parametrize("device, dtype", LINEAR_CASES)
+@pytest.mark.parametrize("split", [0, 8])
+def test_a_linear_with_its_norm_fused_in_normalises_each_row_alone(device, dtype, split, monkeypatch):
+    """invariant_linear(x, w, norm_weight=g) (FUSE_NORMS): F.linear of x's rows RMS-normalised
+    times g, each row's RMS summed inside the kernel, and row t the same bits for every row count,
+    in one pass over K and split. Rows of very different scales: a row's RMS is its own."""
+    monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", split)
+    g = torch.Generator().manual_seed(5)
+    K, N = 200, 72
+    x = (torch.randn(64, K, generator=g) * torch.logspace(-2, 2, 64)[:, None]).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    norm_weight = (1 + torch.randn(K, generator=g) / 4).to(device, dtype)
+    fused = lambda rows: ik.invariant_linear(rows, w, None, None, 0, norm_weight, 1e-5)  # noqa: E731
+    expected = torch.nn.functional.linear(reference_rms_norm(x, norm_weight, 1e-5).float(), w.float())
+    torch.testing.assert_close(fused(x).float(), expected,
+                               **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
+    assert_rows_invariant(fused, x, rows=range(1, 65) if device == "cuda" else range(1, 25))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_fused_norms_leave_the_model_its_logits_and_launch_only_the_final_norm(device, monkeypatch):
+    """use_invariant_kernels marks each block's two norms as feeding only linears (wqkv; w1 and w3):
+    with FUSE_NORMS those linears normalise their input and the norms pass it on, so a forward
+    launches rms_norm once (the final norm, whose output the LM head and the draft read), and the
+    logits are the unfused model's up to the order of a sum of squares."""
+    if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
+        monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
+    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to(device, torch.float32)
+    model.invariant_window = 16
+    launched = []
+    norm = ik.rms_norm
+    monkeypatch.setattr(ik, "rms_norm", lambda *args: launched.append(1) or norm(*args))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6)).to(device)
+    logits = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(ik, "FUSE_NORMS", fuse)
+        model.setup_caches(1, 32)
+        launched.clear()
+        logits[fuse] = model(tokens, torch.arange(6, device=device))
+        assert len(launched) == (1 if fuse else 2 * model.config.n_layer + 1)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    assert set(model.state_dict()) == set(tiny_target("tiny-llama", n_layer=2).state_dict())
+
+
 class _NoSecondLaunch:
     def __getitem__(self, grid):
         raise AssertionError("a folded split-K call launched _split_sum_kernel")
@@ -269,6 +320,8 @@ def test_bad_input_is_a_clear_error(device):
         ik.invariant_linear(x, q8, None, torch.ones(5, device=device))
     with pytest.raises(ValueError, match="of one dtype"):  # an int8 weight without its scales
         ik.invariant_linear(x, q8)
+    with pytest.raises(ValueError, match="norm_weight .K. in x's dtype"):
+        ik.invariant_linear(x, torch.zeros(4, 8, device=device), norm_weight=torch.ones(4, device=device))
     nibbles = torch.zeros(16, 16, dtype=torch.uint8, device=device)  # K padded to 32 = 2 groups of 16
     with pytest.raises(ValueError, match="int4 nibbles"):  # K = 8 is a whole group short of 32
         ik.invariant_linear(x, nibbles, None, torch.ones(2, 16, 2, device=device), 16)
@@ -290,22 +343,27 @@ def test_bad_input_is_a_clear_error(device):
 SPLIT = dict(LINEAR_SPLIT_PROGRAMS=8, LINEAR_CONFIG={**ik.LINEAR_CONFIG, 2: (16, 32, 32, 4, 2)},
              ATTENTION_BLOCK_N=16, ATTENTION_CHUNK=32)
 FOLDED = dict(SPLIT, LINEAR_FOLD_SPLITS=True)  # the same with split-K's sums added by its first launch
+FUSED = dict(SPLIT, FUSE_NORMS=True)  # the same with each block's norms inside its linears
 
 
 @pytest.mark.parametrize("device, dtype, setting", [
     pytest.param(*c.values, setting, marks=c.marks, id=f"{name}-{c.values[0]}-{str(c.values[1])[6:]}")
-    for c in LINEAR_CASES for name, setting in (("one-pass", ONE_PASS), ("split", SPLIT), ("folded", FOLDED))
+    for c in LINEAR_CASES for name, setting in (("one-pass", ONE_PASS), ("split", SPLIT), ("folded", FOLDED),
+                                               ("fused-norms", FUSED))
     # in the interpreter (~30 s a case): the defaults' kind (split, chunks) in float16 alone; one pass
-    # over K and the old part, float32's kernels and the folded sum (the same bits as split's, in an
-    # interpreter that runs one program after another) are the kernel tests'
-    if c.values[0] == "cuda" or (name == "split" and c.values[1] == torch.float16)])
+    # over K and the old part, float32's kernels, the folded sum (the same bits as split's, in an
+    # interpreter that runs one program after another) and the fused norms are the kernel tests'.
+    # On CUDA every dtype, the folded sum and the fused norms (both off by default) in bf16 alone.
+    if (c.values[0] == "cuda" and (name in ("one-pass", "split") or c.values[1] == torch.bfloat16))
+    or (name == "split" and c.values[1] == torch.float16)])
 @torch.no_grad()
 def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(device, dtype, setting, monkeypatch,
                                                                           quant=None):
     """The whole target (tiny-llama, GQA, two layers) on the kernels, eager: every row of 3- and
     48-node tree verifies equals the one-token step's logits bit for bit, with one pass over K and
     over the old part, and with split-K linears (their sums added by a second launch, or folded
-    into the first) and chunked attention (and on CUDA int8 and int4 targets, next test). In the interpreter one layer and a 24-node verify. On the CPU the
+    into the first; the norms apart, or fused into the linears) and chunked attention (and on CUDA
+    int8 and int4 targets, next test). In the interpreter one layer and a 24-node verify. On the CPU the
     attention is routed to the kernel as model.attention routes it on CUDA."""
     for name, value in setting.items():
         monkeypatch.setattr(ik, name, value)
@@ -375,9 +433,9 @@ def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit
     rows = compiled_ahead_of_time(CHECK_FIT)
     import kernel_fit
     assert len(rows) == 4 * len(kernel_fit.invariant_launches(ik))
-    # every kernel: linear (+ split-K's two, or one with the sum folded in; int8/int4 weights), norm,
-    # attention (+ its chunks)
-    assert len(rows) == 4 * 30
+    # every kernel: linear (+ split-K's two, or one with the sum folded in; int8/int4 weights; a norm
+    # fused in), norm, attention (+ its chunks)
+    assert len(rows) == 4 * 33
     for row in rows:
         assert "error" not in row, row
         assert row["shared"] <= row["limit"], row
@@ -389,15 +447,15 @@ compiler = kernel_fit.Compiler()
 compiler.add_module("invariant_kernels")
 folds = [launch for launch in kernel_fit.invariant_launches(ik)
          if launch.kernel == "_linear_partial_kernel" and launch.kwargs["FOLD"]]
-print(json.dumps([compiler.ptx(folds[i], capability) for i in (0, -1) for capability in ((8, 0), (9, 0))]))
+print(json.dumps([compiler.ptx(folds[0], (8, 0)), compiler.ptx(folds[-1], (9, 0))]))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
 def test_a_folded_split_k_publishes_its_sums_before_it_counts_them():
     """LINEAR_FOLD_SPLITS rests on the order of memory operations on the GPU, which Triton's
-    interpreter (one program after another) cannot show. The PTX for sm_80 and sm_90 (bf16, and
-    int8 weights) has it: the range's float32 sums stored by every thread, a block barrier, one
+    interpreter (one program after another) cannot show. The PTX (bf16 for sm_80, int8 weights
+    for sm_90) has it: the range's float32 sums stored by every thread, a block barrier, one
     thread's acquire-release atomic add at GPU scope on the tile's counter, its count shared through
     a barrier, then the other ranges' sums loaded past L1 (ld.global.cg), the output stored and the
     counter re-armed."""
@@ -418,10 +476,13 @@ def test_a_folded_split_k_publishes_its_sums_before_it_counts_them():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fuse_norms", [False, True])
 @torch.no_grad()
-def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
+def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, fuse_norms, monkeypatch):
     """Compiled (fullgraph, as a round is), the custom ops' fake implementations stand for the
-    kernels: the graph has no break, holds each op whole, and its verify gives the eager rows."""
+    kernels: the graph has no break, holds each op whole, and its verify gives the eager rows;
+    with the norms fused into the linears too (the final norm stays an op)."""
+    monkeypatch.setattr(ik, "FUSE_NORMS", fuse_norms)
     if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
         monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
     model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=1)).to(device, torch.float16)
