@@ -129,8 +129,10 @@ def reference_rms_norm(x, weight, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-@pytest.mark.parametrize("device, dtype", LINEAR_CASES)
-@pytest.mark.parametrize("split", [0, 8])
+@pytest.mark.parametrize("device, dtype, split", [
+    pytest.param(*c.values, split, marks=c.marks) for c in LINEAR_CASES for split in (0, 8)
+    # in the interpreter, for time: float16 split, float32 (the tight check) in one pass
+    if c.values[0] == "cuda" or (split == 8) == (c.values[1] == torch.float16)])
 def test_a_linear_with_its_norm_fused_in_normalises_each_row_alone(device, dtype, split, monkeypatch):
     """invariant_linear(x, w, norm_weight=g) (FUSE_NORMS): F.linear of x's rows RMS-normalised
     times g, each row's RMS summed inside the kernel, and row t the same bits for every row count,
@@ -145,7 +147,8 @@ def test_a_linear_with_its_norm_fused_in_normalises_each_row_alone(device, dtype
     expected = torch.nn.functional.linear(reference_rms_norm(x, norm_weight, 1e-5).float(), w.float())
     torch.testing.assert_close(fused(x).float(), expected,
                                **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
-    assert_rows_invariant(fused, x, rows=range(1, 65) if device == "cuda" else range(1, 25))
+    interpreted_rows = range(1, 25 if dtype.itemsize == 2 else 18)  # two row blocks (BLOCK_M 32 and 16)
+    assert_rows_invariant(fused, x, rows=range(1, 65) if device == "cuda" else interpreted_rows)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -476,13 +479,12 @@ def test_a_folded_split_k_publishes_its_sums_before_it_counts_them():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fuse_norms", [False, True])
 @torch.no_grad()
-def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, fuse_norms, monkeypatch):
+def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
     """Compiled (fullgraph, as a round is), the custom ops' fake implementations stand for the
-    kernels: the graph has no break, holds each op whole, and its verify gives the eager rows;
-    with the norms fused into the linears too (the final norm stays an op)."""
-    monkeypatch.setattr(ik, "FUSE_NORMS", fuse_norms)
+    kernels: the graph has no break, holds each op whole, and its verify gives the eager rows
+    (with FUSE_NORMS too: on CUDA; once in the interpreter, ~10 s)."""
+    monkeypatch.setattr(ik, "FUSE_NORMS", device == "cuda")
     if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
         monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
     model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=1)).to(device, torch.float16)
