@@ -531,12 +531,13 @@ class InvariantLinear(nn.Module):
     int4 layer's weight here is its portable nibbles (the file's form; pack() keeps them on CUDA),
     not the packing of torch's int4 kernel."""
 
-    def __init__(self, linear: nn.Module, norm: Optional["InvariantRMSNorm"] = None):
+    def __init__(self, linear: nn.Module):
         from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
         super().__init__()
-        # the RMSNorm that feeds this layer, normalised inside the kernel while FUSE_NORMS: a plain
-        # reference, not a submodule, so its weight keeps its one place (and key) in the block
-        self.__dict__["norm"] = norm
+        # the InvariantRMSNorm that feeds this layer (use_invariant_kernels sets it), computed inside
+        # the kernel while FUSE_NORMS: a plain reference, not a submodule, so that its weight keeps
+        # its one place (and state-dict key) in the block
+        self.__dict__["norm"] = None
         self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, linear.bias
         self.groupsize = 0
         if isinstance(linear, WeightOnlyInt8Linear):
