@@ -123,16 +123,11 @@ def test_split_k_linear_is_f_linear_and_its_rows_do_not_depend_on_the_row_count(
     assert ik.linear_splits(N, K, launch) == (1, K)
 
 
-def reference_rms_norm(x, weight, eps):
-    """model.RMSNorm's arithmetic in torch (rms_norm's reference)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
 @pytest.mark.parametrize("device, dtype, split", [
     pytest.param(*c.values, split, marks=c.marks) for c in LINEAR_CASES for split in (0, 8)
     # in the interpreter, for time: float16 split, float32 (the tight check) in one pass
     if c.values[0] == "cuda" or (split == 8) == (c.values[1] == torch.float16)])
+@torch.no_grad()
 def test_a_linear_with_its_norm_fused_in_normalises_each_row_alone(device, dtype, split, monkeypatch):
     """invariant_linear(x, w, norm_weight=g) (FUSE_NORMS): F.linear of x's rows RMS-normalised
     times g, each row's RMS summed inside the kernel, and row t the same bits for every row count,
@@ -142,9 +137,11 @@ def test_a_linear_with_its_norm_fused_in_normalises_each_row_alone(device, dtype
     K, N = 200, 72
     x = (torch.randn(64, K, generator=g) * torch.logspace(-2, 2, 64)[:, None]).to(device, dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
-    norm_weight = (1 + torch.randn(K, generator=g) / 4).to(device, dtype)
-    fused = lambda rows: ik.invariant_linear(rows, w, None, None, 0, norm_weight, 1e-5)  # noqa: E731
-    expected = torch.nn.functional.linear(reference_rms_norm(x, norm_weight, 1e-5).float(), w.float())
+    norm = model_module.RMSNorm(K, eps=1e-5)
+    norm.weight.data = 1 + torch.randn(K, generator=g) / 4
+    norm = norm.to(device, dtype)
+    fused = lambda rows: ik.invariant_linear(rows, w, None, None, 0, norm.weight, norm.eps)  # noqa: E731
+    expected = torch.nn.functional.linear(norm(x).float(), w.float())
     torch.testing.assert_close(fused(x).float(), expected,
                                **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
     interpreted_rows = range(1, 25 if dtype.itemsize == 2 else 18)  # two row blocks (BLOCK_M 32 and 16)
