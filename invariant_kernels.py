@@ -212,10 +212,7 @@ def _linear_kernel(X, W, S, Bias, NW, Y, M, N, K, stride_xm, stride_wn, stride_y
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _dot_k_range(X, W, S, NW, rows, cols, M, N, K, 0, K, stride_xm, stride_wn, eps, QUANT, GROUP, NORM,
                        BLOCK_M, BLOCK_N, BLOCK_K)
-    if QUANT == 8:
-        acc *= tl.load(S + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    acc = _scale_and_bias(acc, S, Bias, cols[None, :], cols[None, :] < N, QUANT == 8, HAS_BIAS)
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -311,6 +308,12 @@ def _add_ranges(P, S, Bias, rows, cols, live, cols_live, M, N, SPLITS, HAS_BIAS:
     acc = tl.load(P + rows * N + cols, mask=live, other=0.0, cache_modifier=".cg")
     for s in range(1, SPLITS):
         acc += tl.load(P + (s * M + rows) * N + cols, mask=live, other=0.0, cache_modifier=".cg")
+    return _scale_and_bias(acc, S, Bias, cols, cols_live, SCALED, HAS_BIAS)
+
+
+@triton.jit
+def _scale_and_bias(acc, S, Bias, cols, cols_live, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The float32 sums acc times an int8 weight's scales S[cols] (SCALED), + Bias[cols]."""
     if SCALED:
         acc *= tl.load(S + cols, mask=cols_live, other=0.0).to(tl.float32)
     if HAS_BIAS:
