@@ -119,8 +119,8 @@ def test_split_k_linear_is_f_linear_and_its_rows_do_not_depend_on_the_row_count(
                                **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
     # in the interpreter, for time: T = 1..40 in float16 as in the one-pass test (BLOCK_M 32: one and
     # two row blocks), T = 1..24 in float32 (BLOCK_M 16: one and two)
-    rows = range(1, 65) if device == "cuda" else range(1, 25) if dtype == torch.float32 else range(1, 41)
-    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x, rows=rows)
+    counts = range(1, 65) if device == "cuda" else range(1, 25) if dtype == torch.float32 else range(1, 41)
+    assert_rows_invariant(lambda rows: ik.invariant_linear(rows, w, b), x, rows=counts)
     monkeypatch.setattr(ik, "LINEAR_SPLIT_PROGRAMS", 2)  # N = 72 is 2 or 3 column blocks: one pass
     assert ik.linear_splits(N, K, launch) == (1, K)
 
