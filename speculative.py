@@ -832,12 +832,17 @@ PREFILL_OPTIONS = {"coordinate_descent_tuning": False, "fx_graph_cache": True}
 #   max_autotune  C++ GEMM templates (AMX / AVX-512 micro-kernels, weights packed once at compile
 #                 time) timed against ATen's kernel for every GEMM shape; they win the small-M
 #                 GEMMs of decoding at about the machine's read bandwidth
+#   cpp_wrapper   the graph's host code (allocations, views, kernel and ATen calls) in C++
+#                 instead of Python: a bf16 step calls ~600 kernels and ATen ops, a round more
+#                 (measured on a 2-core Xeon with AMX, one process, alternating: a step -2 to -5 %,
+#                 a round -5 %, and the batch-invariant mode's extra calls cost less: its step
+#                 +7 % against +14 % over plain decoding; benchmarks/README.md)
 # Dynamo reads the freezing flag while it traces (a module's parameters then become static inputs
 # that Inductor may fold into the graph), so it is set around every call of a compiled function
 # (frozen(): 13 us a call) and the rest around Inductor's compile_fx (cpu_backend): as a
 # per-function option of torch.compile it would be read too late to act.
 CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                "coordinate_descent_tuning": False, "fx_graph_cache": True}
+                "coordinate_descent_tuning": False, "fx_graph_cache": True, "cpp_wrapper": True}
 # ... and for a model in batch-invariant mode (Transformer.invariant_window), where a token's row must
 # come out the same from a one-token step and a T-token verify (measured on the 2-core AMX machine,
 # SmolLM2-135M bf16, torch 2.13: without either setting the two graphs' rows differ from layer 0 on):
@@ -941,12 +946,27 @@ def compile_function(fn, device, modules, *, dynamic: bool = False, options: Opt
         if missing:
             raise RuntimeError(f"compiling for a CPU needs {', '.join(missing)}, which torch {torch.__version__} "
                                f"lacks: upgrade torch (2.13 has them) or run without --compile")
-        return frozen(torch.compile(fn, backend=cpu_backend(*modules), fullgraph=True, dynamic=dynamic))
+        return frozen(torch.compile(fn, backend=cpu_backend(*modules), fullgraph=True, dynamic=dynamic,
+                                    options={"guard_filter_fn": frozen_graph_guards}))
     if batch_invariant(modules):
         # batch-invariant mode: a fused kernel keeps a 16-bit intermediate in float32 otherwise, and
         # which ops fuse depends on the graph's shapes (the CPU's CPU_INVARIANT, measured there)
         options = dict(options or {}, emulate_precision_casts=True)
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, options=options)
+
+
+def frozen_graph_guards(entries) -> list:
+    """Which of dynamo's guards a frozen CPU graph keeps (torch.compile's guard_filter_fn): all but
+    those on the insides of submodules other than their buffers. Dynamo checks every guard before
+    every call, and for a model passed in they cover each submodule's hook dicts, types, constants
+    and parameters: ~4,200 checks for SmolLM2, 0.87 ms a call, ~4 % of a compiled bf16 step on a
+    2-core Xeon (0.29 ms with this filter). A frozen graph holds its weights as constants from the
+    moment it compiles, so a guard on a parameter's identity could only recompile for a weight the
+    graph no longer reads; what a call does read is kept guarded: every buffer (the KV caches, whose
+    reallocation by setup_caches recompiles, the RoPE tables) and everything of the modules
+    themselves (sizes, invariant_window, config). Not seen, then: a submodule replaced or a hook
+    registered on one after compiling; compile after changing a model's structure."""
+    return ["._modules[" not in e.name or "._buffers[" in e.name for e in entries]
 
 
 def frozen(compiled):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -611,6 +612,28 @@ def test_a_second_process_loads_the_frozen_graph_from_the_cache(tmp_path):
     assert second.get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second
     assert second["compiled"] == first["compiled"]
     assert other.get("fxgraph_cache_miss") == 1 and other["compiled"] == other["eager"] != first["eager"]
+
+
+@torch.no_grad()
+def test_a_frozen_graph_keeps_the_guards_on_buffers_and_recompiles_for_a_grown_cache():
+    """speculative.frozen_graph_guards drops dynamo's guards inside submodules but for their
+    buffers: a step compiled over a 40-slot cache, then run after setup_caches grew every layer's
+    cache to 80 slots, recompiles (the caches are buffers) and decodes eager's tokens past slot 40;
+    a guard on a layer's parameter or hook dict is dropped, one on the model's own attributes kept."""
+    model = tiny_target("tiny-llama", seed=3).eval()
+    step = speculative.compile_function(gen.decode_one_token, "cpu", (model,))
+    model.setup_caches(1, 40)
+    short = torch.arange(1, 9)[None]
+    assert gen.generate(model, short, 24, decode_fn=step) == gen.generate(model, short, 24)
+    model.setup_caches(1, 80)
+    long = torch.arange(1, 31)[None]
+    assert gen.generate(model, long, 40, decode_fn=step) == gen.generate(model, long, 40)
+    names = ["L['model']._modules['layers']._modules['0']._modules['attention']._modules['wqkv']._parameters['weight']",
+             "L['model']._modules['layers']._modules['0']._modules['attention']._forward_hooks",
+             "L['model']._modules['layers']._modules['0']._modules['attention']._modules['kv_cache']._buffers['k_cache']",
+             "L['model']._buffers['kv_storage']", "L['model'].invariant_window", "L['token']"]
+    entries = [types.SimpleNamespace(name=name) for name in names]
+    assert speculative.frozen_graph_guards(entries) == [False, False, True, True, True, True]
 
 
 def test_a_torch_without_a_cpu_compile_setting_gets_a_clear_message(monkeypatch, tmp_path, capsys):
