@@ -555,16 +555,16 @@ FLASH_BLOCK = 32
 INVARIANT_MIN_SLOTS = 512
 
 
-def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int) -> int:
+def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int, bias_dtype: Optional[torch.dtype] = None) -> int:
     """_flash_rows_probe's answer. Compiled, dynamo calls this while it traces and keeps the answer
     as a constant of the graph: speculative.compile_function marks it with
     torch.compiler.assume_constant_result (marked here, at import, it would import dynamo and
     Triton with every `import model`: a second more for every script)."""
-    return _flash_rows_probe(dtype, head_dim, keys, rows)
+    return _flash_rows_probe(dtype, head_dim, keys, rows, bias_dtype or dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int) -> int:
+def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, bias_dtype: torch.dtype) -> int:
     """The fewest rows >= rows for which a call of ATen's CPU flash-attention kernel over `keys`
     keys computes every row bit for bit as a lone call of FLASH_BLOCK rows does with the row
     elsewhere in its block (each block of the call checked against one of its rows in reverse
@@ -586,7 +586,7 @@ def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int) -
                 q = torch.randn(1, heads, n, head_dim, generator=g).to(dtype)
                 k, v = (torch.randn(1, heads, keys, head_dim, generator=g).to(dtype) for _ in range(2))
                 ends = torch.randint(1, keys + 1, (n, 1), generator=g)  # each row sees its first `end` keys
-                bias = torch.zeros(1, 1, n, keys, dtype=dtype).masked_fill(torch.arange(keys) >= ends, float("-inf"))
+                bias = torch.zeros(1, 1, n, keys, dtype=bias_dtype).masked_fill(torch.arange(keys) >= ends, float("-inf"))
                 out, lse = call(q[:, :, :m], k, v, bias[:, :, :m])
                 for b in range(0, m, FLASH_BLOCK):
                     block = torch.arange(b, b + FLASH_BLOCK).flip(0)
@@ -602,11 +602,11 @@ def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int) -
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """ATen's CPU flash-attention kernel over the rows of q [B, KV, M, D], with zero rows padded up
-    to flash_rows' count; bias [B, 1 or KV, M, S] additive, in q's dtype. Returns the output
-    [B, KV, M, D] and the log-sum-exp of the scaled scores [B, KV, M] (float32), which
+    to flash_rows' count; bias [B, 1 or KV, M, S] additive, in q's dtype or float32. Returns the
+    output [B, KV, M, D] and the log-sum-exp of the scaled scores [B, KV, M] (float32), which
     F.scaled_dot_product_attention does not return."""
     M, D = q.size(2), q.size(3)
-    pad = flash_rows(q.dtype, D, k.size(2), M) - M
+    pad = flash_rows(q.dtype, D, k.size(2), M, bias.dtype) - M
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         F.pad(q, (0, 0, 0, pad)), k, v, attn_mask=F.pad(bias, (0, 0, 0, pad)), scale=D ** -0.5)
     return out[:, :, :M], lse[:, :, :M]
@@ -615,18 +615,25 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tenso
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Tensor:
     """Attention whose every query row is computed bit for bit the same however many rows come
     together and wherever a tree keeps their keys, over a layout fixed by the row's position alone,
-    in two parts, each by ATen's CPU flash-attention kernel:
+    in two calls of ATen's CPU flash-attention kernel:
         old     every cache slot below p - W in place: one call for all queries, whose rows are the
                 (query head, query) pairs of each KV head, each masked to its own old_end, padded
                 to a row count whose blocks the kernel computes alike (flash_rows)
-        recent  the W + 1 positions p - W .. p in order: one call with a batch entry per query,
-                over its gathered keys (a tree keeps them wherever it put them), H // KV rows an
-                entry, padded as above (the same rows for every T, but a block of a few rows can
-                take a path whose bits depend on the rest of the call: float32, compiled, on an
-                AMD EPYC without AMX, measured)
-    then merged through the two log-sum-exps, elementwise. (The usual attention over all T rows
-    together is not invariant: the kernel's matmuls round by row count, and a tree's keys sit in
-    another order than the committed text's.) q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
+        recent  per query, a batch entry of H // KV rows a KV head over the W + 1 positions
+                p - W .. p gathered in order (a tree keeps them wherever it put them), padded as
+                above, and before them one key per query head that stands for its old part: key 0
+                (score 0) with the old call's log-sum-exp as its bias and its output as the value,
+                so the kernel's softmax weighs the old part as a merge through the two
+                log-sum-exps would, for H // KV more keys of W + 1.
+    The merge happens inside the kernel because merged outside, elementwise, it is not invariant
+    compiled: Inductor computes exp in a vector loop or a scalar tail loop by the shape of the
+    tensor (std::exp and Sleef's differ in the last bit), and for a merge over [KV, G, T] that
+    choice depended on T (measured: float32 on an AMD EPYC, 121 of the 131 rows of calls of 1 to 32
+    queries differed from one-query calls). Merged inside, it costs what the merge outside did
+    (compiled bf16, SmolLM2's heads over 512 slots: 122 against 121 us a layer for one query, 261
+    for 12 either way). (The usual attention over all T rows together is not invariant either: the
+    kernel's matmuls round by row count, and a tree's keys sit in another order than the committed
+    text's.) q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
     B, H, T, D = q.shape
     KV, S, W1 = k.size(1), k.size(2), mask.recent_slots.size(-1)
     G = H // KV
@@ -637,22 +644,21 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     out_old, lse_old = _flash(q.reshape(B, KV, G * T, D), k, v, bias)
     # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
     lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
-    out_old = out_old.view(B, KV, G, T, D)
 
     rows = torch.arange(B, device=q.device)[:, None, None]
     k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D)
     v_recent = v[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D)
-    q_recent = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
-    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask.recent_ok, neg_inf)
-    bias = bias.view(B * T, 1, 1, W1).expand(B * T, 1, G, W1)
-    out_recent, lse_recent = _flash(q_recent, k_recent, v_recent, bias)
-    out_recent = out_recent.view(B, T, KV, G, D).permute(0, 2, 3, 1, 4)
-    lse_recent = lse_recent.view(B, T, KV, G).permute(0, 2, 3, 1)
-
-    top = torch.maximum(lse_old, lse_recent)  # finite: a query sees itself
-    w_old, w_recent = torch.exp(lse_old - top)[..., None], torch.exp(lse_recent - top)[..., None]
-    out = (out_old.float() * w_old + out_recent.float() * w_recent) / (w_old + w_recent)
-    return out.to(q.dtype).view(B, H, T, D)
+    v_old = out_old.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
+    keys = torch.cat([k_recent.new_zeros(B * T, KV, G, D), k_recent], 2)
+    values = torch.cat([v_old, v_recent], 2)
+    # float32 bias: the old part's log-sum-exp enters unrounded; row g sees old key g only
+    own = torch.eye(G, dtype=torch.bool, device=q.device)
+    old_bias = torch.where(own, lse_old.permute(0, 3, 1, 2).reshape(B * T, KV, G, 1), neg_inf)
+    recent_bias = torch.zeros((), device=q.device).masked_fill(~mask.recent_ok, neg_inf)
+    recent_bias = recent_bias.view(B * T, 1, 1, W1).expand(B * T, KV, G, W1)
+    q_rows = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
+    out, _ = _flash(q_rows, keys, values, torch.cat([old_bias, recent_bias], -1))
+    return out.view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, H, T, D)
 
 
 class PackedLinear(nn.Module):

@@ -285,6 +285,39 @@ def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype)
     torch.testing.assert_close(one.float(), expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.no_grad()
+def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype):
+    """The window form compiled for the CPU, at SmolLM2's geometry (9 query and 3 KV heads of 64)
+    over a 512-slot cache at positions past 300: each row of a 3-, 12- and 32-query call equals the
+    one-query call's bit for bit. When the two parts were merged outside the kernel, Inductor
+    computed the merge's exp in a vector loop for one query and in a scalar tail loop for more, and
+    float32 rows differed (2 of 3, 12 of 12, 29 of 32 here); the whole-model compiled test below
+    (tiny-llama, head_dim 16, 4 query heads over 2 KV heads) did not show it."""
+    import speculative
+    from model import WindowMask, invariant_attention
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    B, KV, G, S, D, T, W = 1, 3, 3, 512, 64, 32, 32
+    q = torch.randn(B, T, KV * G, D, dtype=dtype).transpose(1, 2)
+    k, v = torch.randn(B, KV, S, D, dtype=dtype), torch.randn(B, KV, S, D, dtype=dtype)
+    position = 300 + torch.randint(0, 20, (B, T))
+    recent = torch.stack([torch.randperm(S)[:W + 1] for _ in range(B * T)]).view(B, T, W + 1)
+    mask = WindowMask(position - W, recent, position[..., None] - W + torch.arange(W + 1) >= 0)
+    holder = torch.nn.Module()
+    holder.invariant_window = W  # what makes compile_function compile in the mode's settings
+    compiled = speculative.compile_function(invariant_attention, "cpu", (holder,))
+    try:
+        one = torch.cat([compiled(q[:, :, t:t + 1], k, v, WindowMask(*(f[:, t:t + 1] for f in mask)))
+                         for t in range(T)], 2)
+        for n in (3, 12, 32):
+            together = compiled(q[:, :, :n], k, v, WindowMask(*(f[:, :n] for f in mask)))
+            assert torch.equal(together, one[:, :, :n]), n
+        torch.testing.assert_close(one, invariant_attention(q, k, v, mask), atol=0, rtol=0)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", TINY)
 @torch.no_grad()
 def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
