@@ -1,0 +1,157 @@
+"""What --batch_invariant costs on this machine: a plain decode step and a speculative round of the
+target without the mode and in it, side by side in one process (two copies of the weights), timed
+in turns so that a machine that drifts drifts for both. generate.batch_invariant_by_default turns
+the mode on where both costs were measured to be at most 10 %; this script is how they are measured.
+
+    python scripts/invariant_cost.py --compile --dtype bfloat16 \\
+        --out benchmarks/invariant_cost-SmolLM2-135M-Instruct-cpu-bf16-zen5
+
+The round is speculative.Speculator.round (one graph when --compile, as generate.py compiles it)
+with the CPU's compiled default tree for this CPU unless the tree flags say otherwise; every round
+starts from the state the previous one left, restarting from a chat prompt every 16 rounds. Eager
+runs are timed too (the mode is not row-invariant in eager float32, but its cost can be timed).
+Writes OUT.json and OUT.md.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import generate as gen  # noqa: E402
+import speculative  # noqa: E402
+from benchmark import hardware_name  # noqa: E402  (scripts/ is on the path: this file's folder)
+from checkpoint import load_draft, load_model  # noqa: E402
+from model import pack_linears  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+
+PROMPT = "Explain how a refrigerator keeps food cold."
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth",
+                   help="model.pth, or a quantized model_int8.pth / model_int4.gNN.pth")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="default: eagle3/ beside the checkpoint")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--tree_top_k", type=int, default=None)
+    p.add_argument("--tree_depth", type=int, default=None)
+    p.add_argument("--tree_tokens", type=int, default=None)
+    p.add_argument("--context", type=int, default=512, help="slots of the caches (the mode needs at least 512)")
+    p.add_argument("--steps", type=int, default=20, help="decode steps a turn")
+    p.add_argument("--rounds", type=int, default=16, help="rounds a turn")
+    p.add_argument("--turns", type=int, default=6, help="turns of (steps, rounds) for each target, alternating")
+    p.add_argument("--out", type=Path, required=True, help="output path without suffix")
+    args = p.parse_args(argv)
+    tree = gen.CPU_COMPILED_TREE["amx" if torch.cpu._is_amx_tile_supported() else "no_amx"]
+    for name in ("tree_top_k", "tree_depth", "tree_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, tree[name])
+    args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / "eagle3"
+    return args
+
+
+def make_target(args, invariant: bool):
+    """One copy of the target and head, its step and its round, compiled as generate.py compiles them."""
+    dtype = getattr(torch, args.dtype)
+    model = load_model(args.checkpoint_path, "cpu", dtype)
+    if invariant:
+        gen.set_batch_invariant(model)
+    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", dtype)
+    if not args.compile:  # eager, as generate.make_decoder runs it
+        pack_linears(model)
+        pack_linears(draft)
+    model.setup_caches(1, args.context)
+    step = gen.compile_step(gen.decode_one_token, "cpu", model) if args.compile else gen.decode_one_token
+    spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                                  tree_tokens=args.tree_tokens, stop_ids=())  # no stop: rounds keep coming
+    spec.setup(1, args.context)
+    round_fn = spec.round
+    if args.compile:
+        round_fn = speculative.compile_function(torch._dynamo.dont_skip_tracing(spec.round), "cpu", (model, draft),
+                                                options=speculative.ROUND_OPTIONS)
+    return dict(model=model, step=step, spec=spec, round=round_fn, step_s=[], round_s=[])
+
+
+@torch.no_grad()
+def turn(target, prompt, args, warm_up=False):
+    """args.steps decode steps after a prefill, then args.rounds rounds; the medians go to the target's lists."""
+    model, step = target["model"], target["step"]
+    token = gen.prefill(model, prompt, 0.0, None, None)
+    pos = torch.tensor([prompt.size(1)])
+    seconds = []
+    for _ in range(3 if warm_up else args.steps):
+        t = time.perf_counter()
+        token = step(model, token.clone(), pos, 0.0, None, None)
+        seconds.append(time.perf_counter() - t)
+        pos += 1
+    spec = target["spec"]
+    rounds = []
+    for i in range(3 if warm_up else args.rounds):
+        if i % 16 == 0:
+            spec.prefill(prompt, 16 * (spec.depth + 1))
+        t = time.perf_counter()
+        target["round"]()
+        rounds.append(time.perf_counter() - t)
+    if not warm_up:
+        target["step_s"].append(statistics.median(seconds))
+        target["round_s"].append(statistics.median(rounds))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])])
+    targets, compile_s = {}, {}
+    for name, invariant in (("plain", False), ("batch-invariant", True)):
+        t = time.perf_counter()
+        targets[name] = make_target(args, invariant)
+        turn(targets[name], prompt, args, warm_up=True)  # compiles the step and the round
+        compile_s[name] = time.perf_counter() - t
+    for _ in range(args.turns):
+        for target in targets.values():
+            turn(target, prompt, args)
+    ms = {name: dict(step=statistics.median(t["step_s"]) * 1e3, round=statistics.median(t["round_s"]) * 1e3)
+          for name, t in targets.items()}
+    report = dict(command="python scripts/invariant_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=hardware_name("cpu"),
+                  torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype, compile=args.compile,
+                  checkpoint=args.checkpoint_path.name, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
+                                                                   tokens=args.tree_tokens),
+                  ms=ms, compile_s=compile_s,
+                  cost=dict(step=ms["batch-invariant"]["step"] / ms["plain"]["step"] - 1,
+                            round=ms["batch-invariant"]["round"] / ms["plain"]["round"] - 1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(args.out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    Path(str(args.out) + ".md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def markdown(report) -> str:
+    ms, cost = report["ms"], report["cost"]
+    tree = report["tree"]
+    return "\n".join([
+        f"# --batch_invariant's cost, {report['checkpoint']}, {report['dtype']}, "
+        f"{'compiled' if report['compile'] else 'eager'} ({report['threads']} threads, torch {report['torch']})", "",
+        f"- command: `{report['command']}`",
+        f"- hardware: {report['hardware']}; date {report['date']}",
+        f"- round: eagle3, tree top-k {tree['top_k']}, depth {tree['depth']}, {tree['tokens']} tokens", "",
+        "| ms (medians of per-turn medians) | plain target | batch-invariant target | cost |",
+        "|---|---|---|---|",
+        f"| decode step | {ms['plain']['step']:.2f} | {ms['batch-invariant']['step']:.2f} | {100 * cost['step']:+.1f} % |",
+        f"| round | {ms['plain']['round']:.2f} | {ms['batch-invariant']['round']:.2f} | {100 * cost['round']:+.1f} % |",
+        f"| compiling and warming up, s | {report['compile_s']['plain']:.0f} | "
+        f"{report['compile_s']['batch-invariant']:.0f} | |", ""])
+
+
+if __name__ == "__main__":
+    main()
