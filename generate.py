@@ -185,16 +185,19 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
 def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoint_path) -> bool:
     """--batch_invariant's default: on where the mode was measured to cost at most 10 % of a plain
     step and of a round against plain decoding without it (issue 22), so that greedy speculative
-    output equals plain decoding's in bfloat16 without asking. Compiled bf16 on a CPU without AMX
-    (AMD EPYC, Zen 5, SmolLM2, the 4-token default tree; benchmarks/README.md): a step 16.9 against
-    16.6 ms, a round 32.0 against 29.7 ms, MT-bench plain decoding 4.6 % slower; on a Zen 3 (no
-    AVX-512) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms. With AMX the step
-    cost 15 % (17.8 against 15.5 ms): off. On CUDA (an H100, SmolLM2 compiled in bf16) a step cost
-    67 % (1.82 against 1.09 ms) and a round ~20 % (an H200, split-K and attention chunks: a step
-    69 %): off. Quantized files, float16/float32 and eager runs were not timed against the 10 %:
-    off until they are."""
-    return (device == "cpu" and compile and dtype == "bfloat16" and mode_from_path(checkpoint_path)[0] is None
-            and not torch.cpu._is_amx_tile_supported()
+    output equals plain decoding's in bfloat16 without asking, and in float32 bit for bit rather
+    than up to float ties. Compiled on a CPU without AMX (AMD EPYC, Zen 5, SmolLM2, the 4-token
+    default tree; scripts/invariant_cost.py, benchmarks/README.md): bf16 a step +5.4 % (15.64
+    against 14.84 ms), a round +3.0 % (27.81 against 27.00 ms); float32 a step +5.3 % (12.25
+    against 11.64 ms), a round +4.7 % (MT-bench plain decoding 8.9 % slower, whole answers); on a
+    Zen 3 (no AVX-512, bf16) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms; on a Zen 4
+    (bf16) a step +9.4 %, a round +11 %. Off: with AMX (bf16: a step cost 15 %, 17.8 against 15.5
+    ms; float32 not timed), int8 files (Zen 5, bf16: a step +31 %, 10.52 against 8.04 ms, a round
+    +27 %), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
+    round ~20 %; an H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
+    runs were not timed against the 10 %: off until they are."""
+    return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
+            and mode_from_path(checkpoint_path)[0] is None and not torch.cpu._is_amx_tile_supported()
             and batch_invariant_problem(device, dtype, compile, checkpoint_path) is None)
 
 
@@ -277,7 +280,7 @@ def parse_args(argv=None):
                         "of many (model.invariant_attention): greedy speculative output then equals plain "
                         "decoding's in bfloat16 and float16 too (CPU: bfloat16, or float16/float32 with --compile). "
                         "Default: on where it was measured to cost <= 10%% (compiled bfloat16 on a CPU without "
-                        "AMX), off elsewhere")
+                        "AMX, compiled float32 there too), off elsewhere")
     p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
                    help="tensor parallelism (under torchrun): seconds a rank waits for the others, to join and "
                         "at each collective, before it gives up with an error")

@@ -207,16 +207,19 @@ def test_compiled_cpu_default_tree_follows_the_cpus_matrix_units(monkeypatch, tm
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, tmp_path, amx):
-    """--batch_invariant defaults to on for compiled bf16 runs of an unquantized file on a CPU without
-    AMX (measured there to cost <= 10 % of a step and of a round), off with AMX (15 %), eager, in
-    float32 and for quantized files; --batch_invariant / --no-batch_invariant always win."""
+    """--batch_invariant defaults to on for compiled bf16 and float32 runs of an unquantized file on a
+    CPU without AMX (measured there to cost <= 10 % of a step and of a round), off with AMX (bf16: 15
+    %), eager, in float16 and for quantized files (int8: 31 %); --batch_invariant /
+    --no-batch_invariant always win."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     compiled = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
     assert gen.parse_args(compiled).batch_invariant is (not amx)
     assert gen.parse_args(compiled + ["--dtype", "bfloat16"]).batch_invariant is (not amx)
     assert gen.parse_args(compiled + ["--no-batch_invariant"]).batch_invariant is False
     assert gen.parse_args(compiled + ["--batch_invariant"]).batch_invariant is True
-    assert gen.parse_args(compiled + ["--dtype", "float32"]).batch_invariant is False
+    assert gen.parse_args(compiled + ["--dtype", "float32"]).batch_invariant is (not amx)
+    assert gen.parse_args(compiled + ["--dtype", "float16"]).batch_invariant is False
+    assert gen.parse_args(["--device", "cpu", "--no-compile", "--dtype", "bfloat16"]).batch_invariant is False
     assert gen.parse_args(["--device", "cpu", "--no-compile"]).batch_invariant is False
     int8 = ["--checkpoint_path", str(tmp_path / "model_int8.pth")]
     assert gen.parse_args(compiled + int8).batch_invariant is False
