@@ -192,8 +192,8 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     against 11.64 ms), a round +4.7 % (MT-bench plain decoding 8.9 % slower, whole answers); on a
     Zen 3 (no AVX-512, bf16) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms; on a Zen 4
     (bf16) a step +9.4 %, a round +11 %. Off: with AMX (bf16: a step cost 15 %, 17.8 against 15.5
-    ms; float32 not timed), int8 files (Zen 5, bf16: a step +31 %, 10.52 against 8.04 ms, a round
-    +27 %), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
+    ms; float32 not timed), int8 files (Zen 5, bf16: a step +13 to +20 %, a round +15 to +21 % in
+    two runs, since int8_rows compiles to a direct kernel call; +31 % and +27 % before), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
     round ~20 %; an H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
     runs were not timed against the 10 %: off until they are."""
     return (device == "cpu" and compile and dtype in ("bfloat16", "float32")

@@ -921,6 +921,8 @@ def cpu_backend(*modules: nn.Module):
             raise RuntimeError(f"batch-invariant compiling needs torch._inductor.config.{', '.join(missing)}, which "
                                f"torch {torch.__version__} lacks: upgrade torch (2.13 has them) or run without --compile")
         settings.update(CPU_INVARIANT)
+        from quantize import lower_int8_rows_to_the_kernel  # only a batch-invariant graph calls int8_rows
+        lower_int8_rows_to_the_kernel()
 
     def backend(gm, example_inputs):
         with torch._inductor.config.patch(settings), torch.compiler.config.patch(cache_key_tag=tag), \
