@@ -555,7 +555,8 @@ FLASH_BLOCK = 32
 INVARIANT_MIN_SLOTS = 512
 
 
-def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int, bias_dtype: Optional[torch.dtype] = None) -> int:
+def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int,
+               bias_dtype: Optional[torch.dtype] = None) -> int:
     """_flash_rows_probe's answer. Compiled, dynamo calls this while it traces and keeps the answer
     as a constant of the graph: speculative.compile_function marks it with
     torch.compiler.assume_constant_result (marked here, at import, it would import dynamo and
