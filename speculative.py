@@ -142,7 +142,9 @@ class Speculator(nn.Module):
         window = getattr(target, "invariant_window", None)
         if window is not None and self.depth > window:
             raise ValueError(f"batch-invariant attention sees the last {window} positions in order: trees of depth "
-                             f"{self.depth} (tree depth + lookup) are too deep for it")
+                             f"{self.depth} (tree depth + lookup) are too deep for it: use a shallower tree, or "
+                             f"--no-batch_invariant (the mode is the default of compiled bf16/float32 runs on a CPU "
+                             f"without AMX)")
         self.n_nodes = tree_tokens + lookup  # the tokens a round verifies
         self.layer_ids = () if draft is None else draft.layer_ids
         self.sampling = (temperature, top_k, top_p)
