@@ -193,8 +193,9 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     Zen 3 (no AVX-512, bf16) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms; on a Zen 4
     (bf16) a step +9.4 %, a round +11 %. Off: with AMX (bf16: a step cost 15 %, 17.8 against 15.5
     ms; float32 not timed), int8 files (Zen 5, bf16: a step +13 to +20 %, a round +15 to +21 % in
-    two runs, since int8_rows compiles to a direct kernel call; +31 % and +27 % before), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
-    round ~20 %; an H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
+    two runs, since int8_rows compiles to a direct kernel call; +31 % and +27 % before), on CUDA
+    (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a round ~20 %; an
+    H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
     runs were not timed against the 10 %: off until they are."""
     return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
             and mode_from_path(checkpoint_path)[0] is None and not torch.cpu._is_amx_tile_supported()

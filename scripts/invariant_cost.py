@@ -8,8 +8,9 @@ the mode on where both costs were measured to be at most 10 %; this script is ho
 
 The round is speculative.Speculator.round (one graph when --compile, as generate.py compiles it)
 with the CPU's compiled default tree for this CPU unless the tree flags say otherwise; every round
-starts from the state the previous one left, restarting from a chat prompt every 16 rounds. Eager
-runs are timed too (the mode is not row-invariant in eager float32, but its cost can be timed).
+starts from the state the previous one left, restarting from a chat prompt every 16 rounds
+(profile_round.rounds_from). Eager runs are timed too (the mode is not row-invariant in eager
+float32, but its cost can be timed).
 Writes OUT.json and OUT.md.
 """
 import argparse
@@ -30,9 +31,8 @@ import speculative  # noqa: E402
 from benchmark import hardware_name  # noqa: E402  (scripts/ is on the path: this file's folder)
 from checkpoint import load_draft, load_model  # noqa: E402
 from model import pack_linears  # noqa: E402
+from profile_round import prompt_ids, rounds_from  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-
-PROMPT = "Explain how a refrigerator keeps food cold."
 
 
 def parse_args(argv=None):
@@ -82,9 +82,11 @@ def make_target(args, invariant: bool):
 
 
 @torch.no_grad()
-def turn(target, prompt, args, warm_up=False):
-    """args.steps decode steps after a prefill, then args.rounds rounds; the medians go to the target's lists."""
+def turn(target, tokenizer, args, warm_up=False):
+    """args.steps decode steps after a prefill, then args.rounds rounds (profile_round's: the same
+    chat prompts); the medians go to the target's lists."""
     model, step = target["model"], target["step"]
+    prompt = prompt_ids(tokenizer, 0)
     token = gen.prefill(model, prompt, 0.0, None, None)
     pos = torch.tensor([prompt.size(1)])
     seconds = []
@@ -93,14 +95,7 @@ def turn(target, prompt, args, warm_up=False):
         token = step(model, token.clone(), pos, 0.0, None, None)
         seconds.append(time.perf_counter() - t)
         pos += 1
-    spec = target["spec"]
-    rounds = []
-    for i in range(3 if warm_up else args.rounds):
-        if i % 16 == 0:
-            spec.prefill(prompt, 16 * (spec.depth + 1))
-        t = time.perf_counter()
-        target["round"]()
-        rounds.append(time.perf_counter() - t)
+    rounds = rounds_from(target["spec"], tokenizer, 3 if warm_up else args.rounds, target["round"])
     if not warm_up:
         target["step_s"].append(statistics.median(seconds))
         target["round_s"].append(statistics.median(rounds))
@@ -109,16 +104,15 @@ def turn(target, prompt, args, warm_up=False):
 def main(argv=None):
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
-    prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])])
     targets, compile_s = {}, {}
     for name, invariant in (("plain", False), ("batch-invariant", True)):
         t = time.perf_counter()
         targets[name] = make_target(args, invariant)
-        turn(targets[name], prompt, args, warm_up=True)  # compiles the step and the round
+        turn(targets[name], tokenizer, args, warm_up=True)  # compiles the step and the round
         compile_s[name] = time.perf_counter() - t
     for _ in range(args.turns):
         for target in targets.values():
-            turn(target, prompt, args)
+            turn(target, tokenizer, args)
     ms = {name: dict(step=statistics.median(t["step_s"]) * 1e3, round=statistics.median(t["round_s"]) * 1e3)
           for name, t in targets.items()}
     report = dict(command="python scripts/invariant_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
