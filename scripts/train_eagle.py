@@ -1061,6 +1061,7 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
     rng = random.Random(args.seed)
     steps_per_epoch = len(make_batches_by_length(lengths, preset.batch_tokens, False, rng, groups))
     total = preset.epochs * steps_per_epoch
+    print(f"{steps_per_epoch} steps an epoch, {total} in all", file=sys.stderr, flush=True)
 
     def lr_at(step):  # linear warm-up, then cosine to 10%
         if step < preset.warmup_steps:
