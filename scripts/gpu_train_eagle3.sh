@@ -7,7 +7,8 @@
 #
 # Before, here: GPU_CHECK_PART_SIZE=50M bash scripts/gpu_check.sh --split (the GGUF in parts under
 # downloads/parts, with the 'gguf' package the conversion needs); the parts travel in calls of their
-# own (benchmarks/README.md, "The EAGLE-3 head trained on a lent H200").
+# own, are copied aside there and back into downloads/parts before this runs (the calls:
+# benchmarks/README.md, "The EAGLE-3 head after two continuation epochs on a lent H200").
 #
 # In order:
 #   1. the SmolLM2 GGUF joined and converted (skipped when $SMOLLM2_CHECKPOINT names a model.pth);
