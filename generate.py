@@ -29,8 +29,8 @@ from draft import Eagle3Draft, EagleDraft
 from model import INVARIANT_WINDOW, Transformer, eager_invariant_rows, pack_linears, set_attention_backend
 from quantize import mode_from_path, set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
-from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, device_sync, file_key,
-                         machine_key, missing_cpu_compile_settings, speculative_generate)
+from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, cpu_info, device_sync,
+                         file_key, machine_key, missing_cpu_compile_settings, speculative_generate)
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
 
@@ -182,6 +182,24 @@ def batch_invariant_problem(device: str, dtype: str, compile: bool, checkpoint_p
     return None
 
 
+# --dtype auto of a compiled CPU run: bfloat16 (half float32's bytes a step) except on the CPUs
+# named here, (vendor_id, cpu family) as /proc/cpuinfo gives them, where compiled float32 measured
+# faster than bf16 for plain and speculative decoding alike (SmolLM2, benchmarks/README.md, "The
+# new head compiled on the Zen 5"): AMD family 26 (Zen 5), plain steps 12.93 against 15.66 ms in
+# one process, eagle3 rounds 17.55 against 27.00 ms, EAGLE-3 on MT-bench 89.7 against 71.7 tok/s,
+# the demo 118.9 against 81.3 tok/s. Not a Zen 3 (family 25), whose float32 plain step costs a
+# third more (20.6 against 15.2 ms); Zen 4 (also family 25) and AMX Xeons were not timed in float32.
+FLOAT32_COMPILED_CPUS = {("AuthenticAMD", "26")}
+
+
+def compiled_cpu_dtype(checkpoint_path) -> str:
+    """--dtype auto for a compiled CPU run: float32 for an unquantized file on FLOAT32_COMPILED_CPUS,
+    else bfloat16 (int8 and int4 files are built for bfloat16)."""
+    info = cpu_info()
+    fast_float32 = (info.get("vendor_id"), info.get("cpu family")) in FLOAT32_COMPILED_CPUS
+    return "float32" if fast_float32 and mode_from_path(checkpoint_path)[0] is None else "bfloat16"
+
+
 def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoint_path) -> bool:
     """--batch_invariant's default: on where the mode was measured to cost at most 10 % of a plain
     step and of a round against plain decoding without it (issue 22), so that greedy speculative
@@ -237,7 +255,8 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
     p.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: bfloat16 on CUDA and compiled on a CPU (the fastest), float32 for eager CPU runs")
+                   help="auto: bfloat16 on CUDA and compiled on a CPU (the fastest), but float32 compiled on the CPUs "
+                        "where it measured faster (FLOAT32_COMPILED_CPUS: AMD Zen 5); float32 for eager CPU runs")
     p.add_argument("--output_json", type=Path, default=None, help="write prompt, outputs and speed here")
     p.add_argument("--compare", action="store_true",
                    help="answer the prompt twice, plain and with --speculate (streamed), and print both speeds, "
@@ -342,8 +361,13 @@ def parse_args(argv=None):
                           f"(pass --draft_checkpoint_path, or train one with scripts/train_eagle.py)")
     if errors:
         p.error("\n  ".join(errors))
-    if args.dtype == "auto":  # compiled on a CPU bf16 is 2x float32 (bytes); eager, oneDNN's bf16 gains nothing
-        args.dtype = "bfloat16" if args.device.startswith("cuda") or args.compile or args.batch_invariant else "float32"
+    if args.dtype == "auto":  # eager on a CPU oneDNN's bf16 gains nothing, but the eager mode holds in bf16 only
+        if args.device.startswith("cuda"):
+            args.dtype = "bfloat16"
+        elif args.compile:
+            args.dtype = compiled_cpu_dtype(args.checkpoint_path)
+        else:
+            args.dtype = "bfloat16" if args.batch_invariant else "float32"
     if args.batch_invariant is None:
         args.batch_invariant = batch_invariant_by_default(args.device, args.dtype, args.compile, args.checkpoint_path)
     if args.batch_invariant:

@@ -748,17 +748,23 @@ def auto_cache_dir() -> Path:
     return Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "auto")
 
 
+def cpu_info() -> dict:
+    """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "model name", "flags",
+    ...); empty where there is no such file."""
+    info = {}
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    return info
+
+
 def cpu_name() -> str:
     """The CPU's model name, with its family and model numbers and whether it has AMX where
     /proc/cpuinfo says: the name alone can be a bare vendor line ("AMD EPYC" on two generations of
     the project's VMs, whose timings differ)."""
     cpu = platform.processor() or platform.machine()
-    if not Path("/proc/cpuinfo").is_file():
-        return cpu
-    info = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first CPU's fields
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
+    info = cpu_info()
     if not info.get("model name"):
         return cpu
     cpu = info["model name"]

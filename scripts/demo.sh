@@ -12,8 +12,9 @@
 # The settings are generate.py's defaults on a CPU, what measured fastest on a 2-core CPU
 # (benchmarks/README.md): compiled (frozen weights, Inductor's C++ GEMM templates; compiling takes
 # a minute or two the first time and is cached on disk, so later runs start in seconds),
-# bfloat16 (twice float32's speed), and the compiled CPU tree of this CPU: 12 tokens and 8
-# prompt-lookup nodes with AMX (Intel Xeon), 4 tokens without (e.g. AMD EPYC). Without AMX the
+# bfloat16 (twice float32's speed; float32 on an AMD Zen 5, where it measured faster), and the
+# compiled CPU tree of this CPU: 12 tokens and 8 prompt-lookup nodes with AMX (Intel Xeon), 4
+# tokens without (e.g. AMD EPYC). Without AMX the
 # target is also batch-invariant by default (--batch_invariant; it costs there <= 10 %), so the two
 # answers are identical in bfloat16 too; with AMX (where it costs 15 %) the speculative answer can
 # differ from the plain one where two tokens nearly tie, which the demo says. Extra arguments go

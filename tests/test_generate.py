@@ -225,6 +225,23 @@ def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, 
     assert gen.parse_args(compiled + int8).batch_invariant is False
 
 
+@pytest.mark.parametrize("cpu, expected", [(("AuthenticAMD", "26"), "float32"), (("AuthenticAMD", "25"), "bfloat16"),
+                                           (("GenuineIntel", "6"), "bfloat16"), ((None, None), "bfloat16")])
+def test_auto_dtype_of_a_compiled_cpu_run_is_the_one_measured_fastest_there(monkeypatch, tmp_path, cpu, expected):
+    """--dtype auto compiled on a CPU: float32 on an AMD Zen 5 (family 26, where it measured faster
+    than bf16), bfloat16 elsewhere and for quantized files (built for bf16); eager float32 (bf16 in
+    the eager batch-invariant mode, which holds in bf16 only); an explicit --dtype always wins."""
+    vendor, family = cpu
+    monkeypatch.setattr(gen, "cpu_info", lambda: {} if vendor is None else {"vendor_id": vendor, "cpu family": family})
+    compiled = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
+    assert gen.parse_args(compiled).dtype == expected
+    assert gen.parse_args(compiled + ["--batch_invariant"]).dtype == expected  # compiled, the mode holds in both
+    assert gen.parse_args(compiled + ["--checkpoint_path", str(tmp_path / "model_int8.pth")]).dtype == "bfloat16"
+    assert gen.parse_args(compiled + ["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert gen.parse_args(["--device", "cpu", "--no-compile"]).dtype == "float32"
+    assert gen.parse_args(["--device", "cpu", "--no-compile", "--batch_invariant"]).dtype == "bfloat16"
+
+
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
