@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh --dry_run OUT_DIR  every stage's command only checks its arguments (no GPU)
 #   bash scripts/gpu_check.sh --split [GGUF]     here, before: cut the SmolLM2 GGUF into parts for the trip
 #   bash scripts/gpu_check.sh --join             there: join the parts (the check does this itself)
+#   bash scripts/gpu_check.sh --checkpoint       there: print SmolLM2's model.pth, joined and converted if needed
 #
 # Stages, in this order, each with a time budget in seconds (what a stage leaves out is logged):
 #   1. pytest of every CUDA test: kernels against their references, the compiled round with the
@@ -54,7 +55,7 @@ STAGE3_S="${STAGE3_S:-350}"
 TOTAL_S="${TOTAL_S:-570}"
 EAGLE3_HEAD="${EAGLE3_HEAD:-heads/SmolLM2-135M-Instruct-eagle3}"
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "[gpu_check] error: $*" >&2; exit 2; }
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +131,9 @@ case "${1:-}" in
     -h|--help) usage; exit 0 ;;
     --split) shift; [ $# -le 1 ] || die "--split takes one file at most"; split_gguf "$@"; exit ;;
     --join) shift; [ $# -eq 0 ] || die "--join takes no argument"; join_gguf; exit ;;
+    --checkpoint) shift; [ $# -eq 0 ] || die "--checkpoint takes no argument"
+        [ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+        smollm2_checkpoint; exit ;;
     --dry_run) DRY=1; shift ;;
 esac
 case "${1:-}" in -*) die "unknown option $1 (see --help)" ;; esac

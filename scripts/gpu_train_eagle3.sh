@@ -11,7 +11,8 @@
 # benchmarks/README.md, "The EAGLE-3 head after two continuation epochs on a lent H200").
 #
 # In order:
-#   1. the SmolLM2 GGUF joined and converted (skipped when $SMOLLM2_CHECKPOINT names a model.pth);
+#   1. the SmolLM2 GGUF joined and converted (gpu_check.sh --checkpoint: skipped when
+#      $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/ holds a model.pth);
 #   2. a probe run of $PROBE_STEPS steps that writes no head: it writes the teacher-forced features of
 #      every shard into the cache the real run reads, and times a step on this machine;
 #   3. continuation epochs over all the shards, as the CPU sessions ran them one a session: each from
@@ -81,12 +82,8 @@ trap package EXIT
 "$PY" -c 'import torch; print(f"torch {torch.__version__}, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device: the CPU"))' 2>&1 | while read -r line; do log "$line"; done
 
 # 1. the target
-CKPT="${SMOLLM2_CHECKPOINT:-downloads/SmolLM2-135M-Instruct/model.pth}"
-if [ ! -f "$CKPT" ]; then
-    bash scripts/gpu_check.sh --join >> "$LOG" 2>&1 || { log "no SmolLM2: the GGUF parts did not join"; exit 1; }
-    "$PY" convert_hf_checkpoint.py --gguf "downloads/SmolLM2-135M-Instruct.Q4_1.gguf" \
-        --checkpoint_dir "$(dirname "$CKPT")" >> "$LOG" 2>&1 || { log "the conversion failed"; exit 1; }
-fi
+CKPT="$(PYTHON="$PY" bash scripts/gpu_check.sh --checkpoint 2>> "$LOG")" \
+    || { log "no SmolLM2: the GGUF parts did not join or convert"; exit 1; }
 log "target $CKPT"
 
 # The shipped head is copied to the output folder: the run measures it first and replaces it only
@@ -97,12 +94,11 @@ touch "$WORK/started"
 COMMON=(scripts/train_eagle.py --arch eagle3 --checkpoint_path "$CKPT" --preset "$PRESET"
         --data_dir "$DATA_DIR" --cache_dir "$WORK/features" --n_shards "$N_SHARDS"
         --lr 4e-4 --warmup_steps 30 --dtype "$DTYPE" --save_every 1000000)
-LAST=("${EXTRA[@]}")
 
 # 2. the probe: features of every shard, then seconds a step
 log "probe: features of $N_SHARDS shards, then $PROBE_STEPS steps"
 timeout $(( TOTAL_S - SECONDS - 60 )) "$PY" "${COMMON[@]}" --init_from "$HEAD" --out_dir "$WORK/probe" --work_dir "$WORK/probe.work" \
-    --epochs 1 --max_steps "$PROBE_STEPS" --tau_prompts 0 "${LAST[@]}" >> "$LOG" 2>&1 || { log "the probe failed (exit $?)"; exit 1; }
+    --epochs 1 --max_steps "$PROBE_STEPS" --tau_prompts 0 "${EXTRA[@]}" >> "$LOG" 2>&1 || { log "the probe failed (exit $?)"; exit 1; }
 read -r SPE SPS < <("$PY" - "$LOG" "$WORK/probe.work/training.json" <<'EOF'
 import json, re, sys
 spe = int(re.findall(r"(\d+) steps an epoch", open(sys.argv[1]).read())[-1])
@@ -127,7 +123,7 @@ for (( e = 1; e <= MAX_EPOCHS; e++ )); do
     rm -rf "$WORK/init" && cp -R "$WORK/out" "$WORK/init" && touch "$WORK/epoch_started"
     log "epoch $e from $( [ "$e" = 1 ] && echo "the shipped head" || echo "the best head so far" ) (limit $left s)"
     timeout "$left" "$PY" "${COMMON[@]}" --init_from "$WORK/init" --out_dir "$WORK/out" --work_dir "$WORK/run$e.work" \
-        --epochs 1 --eval_every $(( (SPE + 1) / 2 )) --tau_prompts "$TAU_PROMPTS" --force "${LAST[@]}" >> "$LOG" 2>&1
+        --epochs 1 --eval_every $(( (SPE + 1) / 2 )) --tau_prompts "$TAU_PROMPTS" --force "${EXTRA[@]}" >> "$LOG" 2>&1
     rc=$?
     case $rc in
         0) log "epoch $e: done"

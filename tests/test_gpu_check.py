@@ -25,6 +25,7 @@ def test_syntax_and_arguments():
     unknown = gpu_check("--fast", "out")
     assert unknown.returncode == 2 and "unknown option --fast" in unknown.stderr
     assert gpu_check("--split", "a", "b").returncode == 2
+    assert gpu_check("--checkpoint", "a").returncode == 2
 
 
 def test_split_and_join_a_file_in_parts(tmp_path):
