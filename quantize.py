@@ -83,15 +83,30 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batch-invariant mode compiled on a CPU: torch's int8 and int4 CPU kernels as opaque ops
+# Batch-invariant mode compiled on a CPU: which code computes the int8 and int4 layers
 # ---------------------------------------------------------------------------------------------
-# torch's CPU kernels for int8 and int4 weights give each row the same bits for any number of
-# rows (1-128 measured, bf16). Inductor does not call them: it lowers both ops to code of its own
-# (max-autotune's weight-only-quantized GEMM template, a dequantize and a GEMM), whose rows came
-# out differently for a verify of 8-64 rows than for one-token steps (measured, SmolLM2 shapes,
-# torch 2.13). Wrapped as custom ops, they stay calls of the kernel in the compiled graph, so
-# compiled batch-invariant mode keeps the eager kernel's invariance (quantized layers use them
-# only there: set_row_invariant, while compiling).
+# The mode needs each row of a layer to come out the same however many rows are computed
+# together. Compiled, Inductor lowers torch's int8 op to its own C++ GEMM template (max-autotune,
+# "CPP" only in the mode: speculative.CPU_INVARIANT). Its micro-kernel for bf16 activations and
+# int8 weights on AVX-512 and AVX2 (CppMicroGemmFP32Vec) keeps a float32 accumulator per output
+# and adds the products one k after the other, K blocks in order into a float32 buffer, with no
+# split of K across threads (gemm_max_k_slices 1), for the frozen weight the template packs: the
+# same sums for any row count. Measured on a Zen 5 (AVX-512, torch 2.13; AVX2 runs the same code,
+# not measured): SmolLM2's int8 shapes (576 -> 192, 576, 960, 1536, 3072, 49152;
+# 1536 -> 576), each row of 2-64-row calls equal to the one-row call's bit for bit. With AMX it is
+# another micro-kernel from 5 rows on (tile dot products that add pairs of products; skipped below
+# 5 rows for weight-only GEMMs), and an AMX Xeon gave 4 of 8 and 26 of 30 rows of SmolLM2 verifies
+# apart from the one-token steps'; other CPUs have no int8 template at all. There the mode keeps
+# torch's own CPU kernel, which gives each row the same bits for 1-128 rows, as a custom op that
+# Inductor cannot lower (int8_rows). Where the template serves, a step runs the code of plain
+# decoding's compiled step (a Zen 5, bf16: the mode's step +5.9 % rather than +19.6 % through
+# the kernel; benchmarks/README.md). int4 layers keep their kernel (int4_rows_cpu) everywhere:
+# Inductor's int4 template does not take every shape, and with "CPP" only a shape it refuses
+# would not compile.
+INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                                and not torch.cpu._is_amx_tile_supported())
+
+
 @torch.library.custom_op("eagle_gpt_fast::int8_rows", mutates_args=())
 def int8_rows(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """aten._weight_int8pack_mm(x [M, K], weight int8 [N, K], scales [N]) -> [M, N], opaque to Inductor."""
@@ -158,9 +173,10 @@ class WeightOnlyInt8Linear(nn.Module):
             # (tree verification) and in float32. Its rows do not depend on how many there are
             # (1-128 measured, bf16), so batch-invariant mode takes it for every row count: the
             # switch to the cast would round a verify's rows apart from the one-token step's.
-            # (Compiled in the mode, as an opaque op: see int8_rows.)
-            matmul = int8_rows if self.row_invariant and torch.compiler.is_compiling() else \
-                torch.ops.aten._weight_int8pack_mm
+            # (Compiled in the mode: Inductor's template, or with AMX the kernel as an opaque op:
+            # see INDUCTOR_INT8_ROWS_INVARIANT.)
+            opaque = self.row_invariant and torch.compiler.is_compiling() and not INDUCTOR_INT8_ROWS_INVARIANT
+            matmul = int8_rows if opaque else torch.ops.aten._weight_int8pack_mm
             y = matmul(x.reshape(-1, self.in_features), self.weight, scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif x.is_cuda and int8_matmul is not None and 1 < rows <= CUDA_INT8_KERNEL_ROWS:
@@ -209,8 +225,9 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
     each row the same way however many rows come together. On a CPU in bf16, int8 layers then use
     torch's int8 kernel for any number of rows (WeightOnlyInt8Linear.forward); int4 layers already
     use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows).
-    Compiled, both call the kernel as an opaque op (int8_rows, int4_rows_cpu) instead of letting
-    Inductor lower it."""
+    Compiled, int8 layers go to Inductor's C++ template (on a CPU with AMX or without AVX2 to the
+    kernel as an opaque op, int8_rows: INDUCTOR_INT8_ROWS_INVARIANT), int4 layers to the kernel as
+    an opaque op (int4_rows_cpu)."""
     for m in model.modules():
         if isinstance(m, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
             m.row_invariant = on

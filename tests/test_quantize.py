@@ -159,10 +159,10 @@ def test_cpu_rows_do_not_depend_on_the_row_count_in_batch_invariant_mode():
 @torch.no_grad()
 def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(mode):
     """Compiled for the CPU in batch-invariant mode (bf16), an int8 or int4 target's verify of 16
-    and 64 tree nodes gives each token the logits of its one-token step bit for bit: the layers
-    call torch's kernels as opaque ops (quantize.int8_rows, int4_rows_cpu). With Inductor's own
-    lowerings of those kernels instead, SmolLM2's shapes gave 4 of 8 and 26 of 30 rows apart
-    (measured, torch 2.13)."""
+    and 64 tree nodes gives each token the logits of its one-token step bit for bit, with the code
+    this CPU's mode compiles its layers to (quantize.INDUCTOR_ROWS_INVARIANT): Inductor's C++
+    template, or with AMX torch's kernels as opaque ops (quantize.int8_rows, int4_rows_cpu), since
+    there the template gave 4 of 8 and 26 of 30 rows of SmolLM2's shapes apart (torch 2.13)."""
     torch._dynamo.reset()
     # SmolLM2's layer shapes (one layer, a small vocabulary): where Inductor's lowering differs
     model = tiny_target("SmolLM2-135M", n_layer=1, vocab_size=512).to(torch.bfloat16)
@@ -180,6 +180,47 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
     finally:
         model.forward = eager_forward
         torch._dynamo.reset()
+
+
+@pytest.mark.autotune  # the template is max-autotune's
+@pytest.mark.parametrize("mode,template", [("int8", True), ("int8", False), ("int4", False)])
+@torch.no_grad()
+def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(monkeypatch, mode, template):
+    """In a batch-invariant CPU graph an int8 layer compiles to Inductor's C++ template where its
+    rows do not depend on the row count (quantize.INDUCTOR_INT8_ROWS_INVARIANT: AVX2 or AVX-512,
+    no AMX), the code a plain compiled step runs too; elsewhere, and int4 layers everywhere, to a
+    call of torch's kernel. Either way every row of a 5-row call equals that row alone (the
+    template's case is not asked of a CPU where it is not expected to hold)."""
+    from torch._inductor.utils import run_and_get_code
+    if template and not quantize.INDUCTOR_INT8_ROWS_INVARIANT:
+        pytest.skip("this CPU's int8 template is not row-count invariant (AMX) or there is none")
+    monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", template)
+    monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "fx_graph_cache": False})
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96, bias=False).to(torch.bfloat16)
+    layer = WeightOnlyInt8Linear.from_linear(linear) if mode == "int8" else WeightOnlyInt4Linear.from_linear(linear, 32)
+    if mode == "int4":
+        layer.pack()
+    quantize.set_row_invariant(layer)
+    holder = nn.Module()
+    holder.invariant_window = 32  # compile in the mode's settings
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    try:
+        outs, codes = [], []
+        for rows in (x, *x.split(1)):
+            torch._dynamo.reset()
+            compiled = speculative.compile_function(torch._dynamo.dont_skip_tracing(layer.forward), "cpu",
+                                                    (holder, layer))
+            out, code = run_and_get_code(compiled, rows)
+            outs.append(out)
+            codes.append("".join(code))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(outs[0], torch.cat(outs[1:]))
+    kernel_call = {"int8": "_weight_int8pack_mm(", "int4": "int4_rows_cpu"}[mode]
+    for code in codes:
+        assert (kernel_call in code) != template
+        assert ("micro_gemm" in code) == template
 
 
 @torch.no_grad()
