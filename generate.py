@@ -27,6 +27,7 @@ import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
 from model import INVARIANT_WINDOW, Transformer, eager_invariant_rows, pack_linears, set_attention_backend
+import quantize
 from quantize import mode_from_path, set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import (AUTO_TOP_K, Speculator, auto_shape, compile_function, compile_round, cpu_info, device_sync,
@@ -209,14 +210,19 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     against 14.84 ms), a round +3.0 % (27.81 against 27.00 ms); float32 a step +5.3 % (12.25
     against 11.64 ms), a round +4.7 % (MT-bench plain decoding 8.9 % slower, whole answers); on a
     Zen 3 (no AVX-512, bf16) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms; on a Zen 4
-    (bf16) a step +9.4 %, a round +11 %. Off: with AMX (bf16: a step cost 15 %, 17.8 against 15.5
-    ms; float32 not timed), int8 files (Zen 5, bf16: a step +13 to +20 %, a round +15 to +21 % in
-    two runs, since int8_rows compiles to a direct kernel call; +31 % and +27 % before), on CUDA
-    (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a round ~20 %; an
-    H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
+    (bf16) a step +9.4 %, a round +11 %. int8 files (bf16) where their layers compile to Inductor's
+    C++ template, the code of plain decoding's step (quantize.INDUCTOR_INT8_ROWS_INVARIANT: AVX2 or
+    AVX-512 without AMX; timed on a Zen 5 only, three runs of turns in alternating order: a step
+    -3.2, +3.1, -1.1 %, a round +7.1, +12.2, +6.4 %; MT-bench plain decoding 6.4 % slower, whole
+    answers; through torch's int8 kernel, as the mode ran them before, +29 % and +19 %). Off: with
+    AMX (bf16: a step cost 15 %, 17.8 against 15.5 ms; float32 not timed; int8 files there keep the
+    kernel), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
+    round ~20 %; an H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
     runs were not timed against the 10 %: off until they are."""
+    quantized = mode_from_path(checkpoint_path)[0]
     return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
-            and mode_from_path(checkpoint_path)[0] is None and not torch.cpu._is_amx_tile_supported()
+            and (quantized is None or quantized == "int8" and quantize.INDUCTOR_INT8_ROWS_INVARIANT)
+            and not torch.cpu._is_amx_tile_supported()
             and batch_invariant_problem(device, dtype, compile, checkpoint_path) is None)
 
 
