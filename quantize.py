@@ -99,8 +99,8 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # apart from the one-token steps'; other CPUs have no int8 template at all. There the mode keeps
 # torch's own CPU kernel, which gives each row the same bits for 1-128 rows, as a custom op that
 # Inductor cannot lower (int8_rows). Where the template serves, a step runs the code of plain
-# decoding's compiled step (a Zen 5, bf16: the mode's step +5.9 % rather than +19.6 % through
-# the kernel; benchmarks/README.md). int4 layers keep their kernel (int4_rows_cpu) everywhere:
+# decoding's compiled step (a Zen 5, bf16, three runs: the mode's step -3 to +3 %, a round +6 to
+# +12 %, against +29 % and +19 % through the kernel; benchmarks/README.md). int4 layers keep their kernel (int4_rows_cpu) everywhere:
 # Inductor's int4 template does not take every shape, and with "CPP" only a shape it refuses
 # would not compile.
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
