@@ -92,17 +92,17 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # and adds the products one k after the other, K blocks in order into a float32 buffer, with no
 # split of K across threads (gemm_max_k_slices 1), for the frozen weight the template packs: the
 # same sums for any row count. Measured on a Zen 5 (AVX-512, torch 2.13; AVX2 runs the same code,
-# not measured): SmolLM2's int8 shapes (576 -> 192, 576, 960, 1536, 3072, 49152;
-# 1536 -> 576), each row of 2-64-row calls equal to the one-row call's bit for bit. With AMX it is
+# not measured): SmolLM2's int8 shapes (576 -> 192, 576, 960, 1536, 3072, 49152; 1536 -> 576),
+# each row of 2-64-row calls equal to the one-row call's bit for bit. With AMX it is
 # another micro-kernel from 5 rows on (tile dot products that add pairs of products; skipped below
 # 5 rows for weight-only GEMMs), and an AMX Xeon gave 4 of 8 and 26 of 30 rows of SmolLM2 verifies
 # apart from the one-token steps'; other CPUs have no int8 template at all. There the mode keeps
 # torch's own CPU kernel, which gives each row the same bits for 1-128 rows, as a custom op that
 # Inductor cannot lower (int8_rows). Where the template serves, a step runs the code of plain
 # decoding's compiled step (a Zen 5, bf16, three runs: the mode's step -3 to +3 %, a round +6 to
-# +12 %, against +29 % and +19 % through the kernel; benchmarks/README.md). int4 layers keep their kernel (int4_rows_cpu) everywhere:
-# Inductor's int4 template does not take every shape, and with "CPP" only a shape it refuses
-# would not compile.
+# +12 %, against +29 % and +19 % through the kernel; benchmarks/README.md). int4 layers keep
+# their kernel (int4_rows_cpu) everywhere: Inductor's int4 template does not take every shape,
+# and with "CPP" only a shape it refuses would not compile.
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
 

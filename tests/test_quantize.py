@@ -160,9 +160,9 @@ def test_cpu_rows_do_not_depend_on_the_row_count_in_batch_invariant_mode():
 def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(mode):
     """Compiled for the CPU in batch-invariant mode (bf16), an int8 or int4 target's verify of 16
     and 64 tree nodes gives each token the logits of its one-token step bit for bit, with the code
-    this CPU's mode compiles its layers to (quantize.INDUCTOR_ROWS_INVARIANT): Inductor's C++
-    template, or with AMX torch's kernels as opaque ops (quantize.int8_rows, int4_rows_cpu), since
-    there the template gave 4 of 8 and 26 of 30 rows of SmolLM2's shapes apart (torch 2.13)."""
+    this CPU's mode compiles its layers to: for int8 Inductor's C++ template, or with AMX torch's
+    kernel as an opaque op (quantize.INDUCTOR_INT8_ROWS_INVARIANT: there the template gave 4 of 8
+    and 26 of 30 rows of SmolLM2's shapes apart, torch 2.13); for int4 the kernel (int4_rows_cpu)."""
     torch._dynamo.reset()
     # SmolLM2's layer shapes (one layer, a small vocabulary): where Inductor's lowering differs
     model = tiny_target("SmolLM2-135M", n_layer=1, vocab_size=512).to(torch.bfloat16)
