@@ -208,7 +208,8 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     than up to float ties. Compiled on a CPU without AMX (AMD EPYC, Zen 5, SmolLM2, the 4-token
     default tree; scripts/invariant_cost.py, benchmarks/README.md): bf16 a step +5.4 % (15.64
     against 14.84 ms), a round +3.0 % (27.81 against 27.00 ms); float32 a step +5.3 % (12.25
-    against 11.64 ms), a round +4.7 % (MT-bench plain decoding 8.9 % slower, whole answers); on a
+    against 11.64 ms), a round +4.7 % (MT-bench plain decoding 8.9 % slower, whole answers; again
+    with the turns in alternating order: bf16 +8.1 % and +3.0 %, float32 +2.0 % and -0.4 %); on a
     Zen 3 (no AVX-512, bf16) a step 16.7 against 15.2 ms, a round 35.1 against 33.5 ms; on a Zen 4
     (bf16) a step +9.4 %, a round +11 %. int8 files (bf16) where their layers compile to Inductor's
     C++ template, the code of plain decoding's step (quantize.INDUCTOR_INT8_ROWS_INVARIANT: AVX2 or
