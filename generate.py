@@ -218,8 +218,9 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     answers; through torch's int8 kernel, as the mode ran them before, +29 % and +19 %). Off: with
     AMX (bf16: a step cost 15 %, 17.8 against 15.5 ms; float32 not timed; int8 files there keep the
     kernel), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
-    round ~20 %; an H200, split-K and attention chunks: a step 69 %). int4 files, float16 and eager
-    runs were not timed against the 10 %: off until they are."""
+    round ~20 %; an H200, split-K and attention chunks: a step 69 %), int4 files (Zen 5, group 32:
+    a step +42 %, a round +20 %: their kernel as a custom op). float16 and eager runs were not
+    timed against the 10 %: off until they are."""
     quantized = mode_from_path(checkpoint_path)[0]
     return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
             and (quantized is None or quantized == "int8" and quantize.INDUCTOR_INT8_ROWS_INVARIANT)

@@ -210,7 +210,7 @@ def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, 
     """--batch_invariant defaults to on for compiled bf16 and float32 runs of an unquantized file on a
     CPU without AMX (measured there to cost <= 10 % of a step and of a round), and of an int8 file
     where its layers compile to Inductor's template (quantize.INDUCTOR_INT8_ROWS_INVARIANT); off
-    with AMX (bf16: 15 %), eager, in float16 and for int4 files (not timed); --batch_invariant /
+    with AMX (bf16: 15 %), eager, in float16 and for int4 files (Zen 5: a step +42 %); --batch_invariant /
     --no-batch_invariant always win."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", not amx)
