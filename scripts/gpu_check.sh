@@ -123,6 +123,13 @@ smollm2_checkpoint() {  # prints the path of a converted SmolLM2 model.pth, conv
     echo "$dir/model.pth"
 }
 
+# The packages that travelled with the parts (gguf, for the conversion), for this script's Python.
+# Not for --split: it copies the gguf package from this machine into $PARTS/python.
+use_carried_python() {
+    [ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+    return 0
+}
+
 # --------------------------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------------------------
@@ -131,9 +138,7 @@ case "${1:-}" in
     -h|--help) usage; exit 0 ;;
     --split) shift; [ $# -le 1 ] || die "--split takes one file at most"; split_gguf "$@"; exit ;;
     --join) shift; [ $# -eq 0 ] || die "--join takes no argument"; join_gguf; exit ;;
-    --checkpoint) shift; [ $# -eq 0 ] || die "--checkpoint takes no argument"
-        [ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-        smollm2_checkpoint; exit ;;
+    --checkpoint) shift; [ $# -eq 0 ] || die "--checkpoint takes no argument"; use_carried_python; smollm2_checkpoint; exit ;;
     --dry_run) DRY=1; shift ;;
 esac
 case "${1:-}" in -*) die "unknown option $1 (see --help)" ;; esac
@@ -143,7 +148,7 @@ mkdir -p "$OUT/details" || die "cannot create $OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
-[ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+use_carried_python
 
 log() { echo "[gpu_check $(printf '%3d' "$SECONDS") s] $*" | tee -a "$LOG"; }
 

@@ -56,9 +56,7 @@ WORK="${WORK:-/tmp/eagle3-gpu}"
 HEAD="${HEAD:-heads/SmolLM2-135M-Instruct-eagle3}"
 DATA_DIR="${DATA_DIR:-data/SmolLM2-135M-Instruct}"
 PRESET="${PRESET:-smollm2-cpu}"
-PARTS=downloads/parts
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-[ -d "$PARTS/python" ] && export PYTHONPATH="$ROOT/$PARTS/python${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT" "$WORK" || exit 2
 LOG="$OUT/train.log"
 : > "$LOG"
