@@ -100,11 +100,20 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # torch's own CPU kernel, which gives each row the same bits for 1-128 rows, as a custom op that
 # Inductor cannot lower (int8_rows). Where the template serves, a step runs the code of plain
 # decoding's compiled step (a Zen 5, bf16, three runs: the mode's step -3 to +3 %, a round +6 to
-# +12 %, against +29 % and +19 % through the kernel; benchmarks/README.md). int4 layers keep
-# their kernel (int4_rows_cpu) everywhere: Inductor's int4 template does not take every shape,
-# and with "CPP" only a shape it refuses would not compile.
+# +12 %, against +29 % and +19 % through the kernel; benchmarks/README.md).
+# int4 likewise: Inductor's int4 template has a micro-kernel for AVX-512 only
+# (CppMicroGemmWoQInt4Avx512: bf16 activations, groups of 32, 64 or 128 columns, a multiple of 64
+# outputs), which turns each k's 4-bit weights into float32 (a lookup, then scale and zero by one
+# fma) and adds their products to each output's float32 accumulator k after k: rows independent of
+# the row count again (with AMX, another micro-kernel from 5 rows on). A layer of another shape
+# has no template, and with "CPP" only it would not compile at all, so it keeps torch's int4 kernel
+# as an opaque op (int4_rows_cpu); so does every int4 layer on a CPU without AVX-512 or with AMX.
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
+INDUCTOR_INT4_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() == "AVX512"
+                                and not torch.cpu._is_amx_tile_supported())
+INT4_TEMPLATE_GROUPSIZES = (32, 64, 128)  # what the template's micro-kernel takes (not 256)
+INT4_TEMPLATE_N_MULTIPLE = 64  # its block of outputs
 
 
 @torch.library.custom_op("eagle_gpt_fast::int8_rows", mutates_args=())
@@ -226,8 +235,9 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
     torch's int8 kernel for any number of rows (WeightOnlyInt8Linear.forward); int4 layers already
     use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows).
     Compiled, int8 layers go to Inductor's C++ template (on a CPU with AMX or without AVX2 to the
-    kernel as an opaque op, int8_rows: INDUCTOR_INT8_ROWS_INVARIANT), int4 layers to the kernel as
-    an opaque op (int4_rows_cpu)."""
+    kernel as an opaque op, int8_rows: INDUCTOR_INT8_ROWS_INVARIANT), int4 layers to Inductor's int4
+    template where it takes them on an AVX-512 CPU without AMX, else to the kernel as an opaque op
+    (int4_rows_cpu; WeightOnlyInt4Linear.template_invariant)."""
     for m in model.modules():
         if isinstance(m, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
             m.row_invariant = on
@@ -401,11 +411,17 @@ class WeightOnlyInt4Linear(nn.Module):
             y = F.linear(x2, w)[:, :self.out_features]
         else:
             matmul = self._matmul
-            if self.row_invariant and x.is_cpu and torch.compiler.is_compiling():
+            if self.row_invariant and x.is_cpu and torch.compiler.is_compiling() and not self.template_invariant():
                 matmul = int4_rows_cpu  # the kernel itself, not Inductor's lowering of it (int8_rows)
             y = matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
         y = y.to(x.dtype).reshape(*shape, self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def template_invariant(self) -> bool:
+        """Whether Inductor's int4 template computes this layer, compiled on this CPU, with rows
+        that do not depend on the row count (INDUCTOR_INT4_ROWS_INVARIANT and a shape it takes)."""
+        return (INDUCTOR_INT4_ROWS_INVARIANT and self.groupsize in INT4_TEMPLATE_GROUPSIZES
+                and self.out_padded % INT4_TEMPLATE_N_MULTIPLE == 0 and self.scales_and_zeros.dtype == torch.bfloat16)
 
     def extra_repr(self) -> str:
         pad = f", padded to ({self.in_padded}, {self.out_padded})" if self.padded else ""

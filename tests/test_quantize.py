@@ -162,7 +162,9 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
     and 64 tree nodes gives each token the logits of its one-token step bit for bit, with the code
     this CPU's mode compiles its layers to: for int8 Inductor's C++ template, or with AMX torch's
     kernel as an opaque op (quantize.INDUCTOR_INT8_ROWS_INVARIANT: there the template gave 4 of 8
-    and 26 of 30 rows of SmolLM2's shapes apart, torch 2.13); for int4 the kernel (int4_rows_cpu)."""
+    and 26 of 30 rows of SmolLM2's shapes apart, torch 2.13); for int4 Inductor's int4 template on
+    an AVX-512 CPU without AMX (quantize.INDUCTOR_INT4_ROWS_INVARIANT; SmolLM2's shapes all take it),
+    else the kernel (int4_rows_cpu)."""
     torch._dynamo.reset()
     # SmolLM2's layer shapes (one layer, a small vocabulary): where Inductor's lowering differs
     model = tiny_target("SmolLM2-135M", n_layer=1, vocab_size=512).to(torch.bfloat16)
@@ -183,24 +185,31 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
 
 
 @pytest.mark.autotune  # the template is max-autotune's
-@pytest.mark.parametrize("mode,template", [("int8", True), ("int8", False), ("int4", False)])
+@pytest.mark.parametrize("mode,out_features,template", [("int8", 96, True), ("int8", 96, False),
+                                                         ("int4", 128, True), ("int4", 128, False),
+                                                         ("int4", 96, True)])
 @torch.no_grad()
-def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(monkeypatch, mode, template):
-    """In a batch-invariant CPU graph an int8 layer compiles to Inductor's C++ template where its
-    rows do not depend on the row count (quantize.INDUCTOR_INT8_ROWS_INVARIANT: AVX2 or AVX-512,
-    no AMX), the code a plain compiled step runs too; elsewhere, and int4 layers everywhere, to a
-    call of torch's kernel. Either way every row of a 5-row call equals that row alone (the
-    template's case is not asked of a CPU where it is not expected to hold)."""
+def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(monkeypatch, mode, out_features,
+                                                                              template):
+    """In a batch-invariant CPU graph a quantized layer compiles to Inductor's C++ template where its
+    rows do not depend on the row count (quantize.INDUCTOR_INT8_ROWS_INVARIANT: AVX2 or AVX-512, no
+    AMX; INDUCTOR_INT4_ROWS_INVARIANT: AVX-512, no AMX, and a shape the int4 template takes, which
+    96 outputs are not), the code a plain compiled step runs too; elsewhere to a call of torch's
+    kernel. Either way every row of a 5-row call equals that row alone (the template's case is not
+    asked of a CPU where it is not expected to hold)."""
     from torch._inductor.utils import run_and_get_code
-    if template and not quantize.INDUCTOR_INT8_ROWS_INVARIANT:
-        pytest.skip("this CPU's int8 template is not row-count invariant (AMX) or there is none")
-    monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", template)
+    flag = "INDUCTOR_INT8_ROWS_INVARIANT" if mode == "int8" else "INDUCTOR_INT4_ROWS_INVARIANT"
+    if template and not getattr(quantize, flag):
+        pytest.skip(f"this CPU's {mode} template is not row-count invariant (AMX) or there is none")
+    monkeypatch.setattr(quantize, flag, template)
     monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "fx_graph_cache": False})
     torch.manual_seed(0)
-    linear = nn.Linear(128, 96, bias=False).to(torch.bfloat16)
+    linear = nn.Linear(128, out_features, bias=False).to(torch.bfloat16)
     layer = WeightOnlyInt8Linear.from_linear(linear) if mode == "int8" else WeightOnlyInt4Linear.from_linear(linear, 32)
     if mode == "int4":
         layer.pack()
+        assert layer.template_invariant() == (template and out_features % 64 == 0)
+        template = layer.template_invariant()  # 96 outputs: no int4 template, the kernel
     quantize.set_row_invariant(layer)
     holder = nn.Module()
     holder.invariant_window = 32  # compile in the mode's settings
