@@ -26,6 +26,7 @@ column in the high nibble) and are repacked into the layout of the device's kern
 (pack_int4), because torch's packed layouts differ between CPU and CUDA and across versions.
 """
 import argparse
+import contextlib
 import functools
 import re
 import sys
@@ -242,6 +243,25 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
         if isinstance(m, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
             m.row_invariant = on
     return model
+
+
+@contextlib.contextmanager
+def prefill_rows(model: nn.Module):
+    """For the duration, model's int8 layers compute as outside batch-invariant mode: for an eager
+    prefill, whose rows no other forward's need to equal (plain and speculative decoding prefill a
+    prompt with the same code and shapes, as model.Transformer.forward's attention assumes too).
+    In the mode they would take torch's int8 kernel for every row of a prompt, where the cast and a
+    bf16 GEMM are faster from 17 rows on (a Zen 5, SmolLM2, 200 tokens: 207 against 123 ms). Not
+    for compiled code: its layers are the template already (INDUCTOR_INT8_ROWS_INVARIANT), and
+    dynamo would have to trace the flags' changes. int4 layers run one kernel eager either way."""
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear) and m.row_invariant]
+    for m in layers:
+        m.row_invariant = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.row_invariant = True
 
 
 # ---------------------------------------------------------------------------------------------

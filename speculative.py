@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -30,6 +31,7 @@ from torch import Tensor
 import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation
 from model import Transformer, TreeMask, copy_slots, flash_rows
+from quantize import lower_int8_rows_to_the_kernel, prefill_rows
 from sampling import cut_at_stop, is_stop, logits_to_probs, sample, sample_from
 from tree import Tree, graft_chain, tree_structure
 
@@ -193,8 +195,9 @@ class Speculator(nn.Module):
         if L + max_new_tokens + 2 * (self.depth + 1) > self.capacity or B != self.out.size(0):
             self.setup(B, L + max_new_tokens + 2 * (self.depth + 1))  # room for the last round's overshoot
         target, device = self.target, prompt.device
-        logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
-                                             layer_ids=self.layer_ids)
+        with nullcontext() if torch.compiler.is_compiling() else prefill_rows(target):  # as generate.prefill
+            logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
+                                                 layer_ids=self.layer_ids)
         if root is None:
             root = sample(logits[:, -1], *self.sampling)
         self.cu_tokens.zero_()
@@ -929,8 +932,7 @@ def cpu_backend(*modules: nn.Module):
             raise RuntimeError(f"batch-invariant compiling needs torch._inductor.config.{', '.join(missing)}, which "
                                f"torch {torch.__version__} lacks: upgrade torch (2.13 has them) or run without --compile")
         settings.update(CPU_INVARIANT)
-        from quantize import lower_int8_rows_to_the_kernel  # only a batch-invariant graph calls int8_rows
-        lower_int8_rows_to_the_kernel()
+        lower_int8_rows_to_the_kernel()  # only a batch-invariant graph calls int8_rows
 
     def backend(gm, example_inputs):
         with torch._inductor.config.patch(settings), torch.compiler.config.patch(cache_key_tag=tag), \

@@ -154,6 +154,56 @@ def test_cpu_rows_do_not_depend_on_the_row_count_in_batch_invariant_mode():
         assert torch.equal(int8(x[:rows]), alone[:rows]) and not torch.equal(int8(x[:rows + 1]), alone[:rows + 1])
 
 
+
+@torch.no_grad()
+def test_a_prefill_in_batch_invariant_mode_runs_int8_layers_as_outside_it():
+    """quantize.prefill_rows: for the duration, an int8 layer in the mode computes a prompt's rows
+    as outside the mode (the cast and a bf16 GEMM beyond CPU_INT8_KERNEL_ROWS rows), and is back in
+    the mode afterwards, an exception inside included; int4 layers are left alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False)).to(torch.bfloat16)
+    int8 = WeightOnlyInt8Linear.from_linear(model[0])
+    int4 = WeightOnlyInt4Linear.from_linear(model[1], 32)
+    int4.pack()
+    model = quantize.set_row_invariant(nn.Sequential(int8, int4))
+    x = torch.randn(quantize.CPU_INT8_KERNEL_ROWS + 4, 64).to(torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, int8.weight, int8.scales)
+    cast = F.linear(x, int8.weight.to(x.dtype)) * int8.scales
+    assert not torch.equal(kernel, cast)  # else the test could not tell the two apart
+    assert torch.equal(int8(x), kernel)
+    with quantize.prefill_rows(model):
+        assert not int8.row_invariant and int4.row_invariant
+        assert torch.equal(int8(x), cast)
+    assert int8.row_invariant and torch.equal(int8(x), kernel)
+    with pytest.raises(KeyError), quantize.prefill_rows(model):
+        raise KeyError("inside")
+    assert int8.row_invariant
+
+
+
+@torch.no_grad()
+def test_plain_and_speculative_prefills_leave_the_mode_for_int8_layers():
+    """generate.prefill and Speculator.prefill run an eager target's int8 layers outside the mode
+    (quantize.prefill_rows), both alike, so that the caches they fill stay equal; the steps and
+    verifies after them run in it."""
+    target = tiny_target("tiny-llama").to(torch.bfloat16)
+    quantize.quantize_model(target, "int8")
+    target.invariant_window = 32
+    quantize.set_row_invariant(target)
+    layer = target.layers[0].attention.wqkv
+    seen = []
+    layer.register_forward_hook(lambda m, args, out: seen.append((args[0].numel() // m.in_features, m.row_invariant)))
+    prompt = torch.randint(0, target.config.vocab_size, (1, 24))
+    target.setup_caches(1, 64)
+    gen.prefill(target, prompt, 0.0, None, None)
+    spec = speculative.Speculator(target, random_draft(target).to(torch.bfloat16), tree_top_k=2, tree_depth=2,
+                                  tree_tokens=4)
+    spec.prefill(prompt, 8)
+    spec.round()
+    assert seen[0] == (24, False) and seen[1] == (24, False)
+    assert all(invariant for _, invariant in seen[2:]) and len(seen) > 2
+
+
 @pytest.mark.autotune  # as generate.py compiles: max-autotune has a GEMM template of its own for int8 weights
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @torch.no_grad()
