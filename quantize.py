@@ -101,7 +101,8 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # torch's own CPU kernel, which gives each row the same bits for 1-128 rows, as a custom op that
 # Inductor cannot lower (int8_rows). Where the template serves, a step runs the code of plain
 # decoding's compiled step (a Zen 5, bf16, three runs: the mode's step -3 to +3 %, a round +6 to
-# +12 %, against +29 % and +19 % through the kernel; benchmarks/README.md).
+# +12 %, against +29 % and +19 % through the kernel; a Zen 4, one run: +4.7 %, +7.5 %;
+# benchmarks/README.md).
 # int4 likewise: Inductor's int4 template has a micro-kernel for AVX-512 only
 # (CppMicroGemmWoQInt4Avx512: bf16 activations, groups of 32, 64 or 128 columns, a multiple of 64
 # outputs), which turns each k's 4-bit weights into float32 (a lookup, then scale and zero by one
@@ -109,6 +110,8 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # the row count again (with AMX, another micro-kernel from 5 rows on). A layer of another shape
 # has no template, and with "CPP" only it would not compile at all, so it keeps torch's int4 kernel
 # as an opaque op (int4_rows_cpu); so does every int4 layer on a CPU without AVX-512 or with AMX.
+# (A Zen 4, group 32, three runs: the mode's step +0.9 to +9.5 %, a round +7.9 to +11.6 %; through
+# the kernel, a Zen 5: +42 % and +20 %.)
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
 INDUCTOR_INT4_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() == "AVX512"
