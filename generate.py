@@ -216,16 +216,16 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     (bf16, 30 turns alternating) a step -0.3 %, a round +7.7 % (+9.4 % and +11 % in three runs of
     profile_round.py before, one order). int8 files (bf16) where their layers compile to Inductor's
     C++ template, the code of plain decoding's step (quantize.INDUCTOR_INT8_ROWS_INVARIANT: AVX2 or
-    AVX-512 without AMX; timed on a Zen 5 only, three runs of turns in alternating order: a step
-    -3.2, +3.1, -1.1 %, a round +7.1, +12.2, +6.4 %; MT-bench plain decoding 6.4 % slower, whole
-    answers; through torch's int8 kernel, as the mode ran them before, +29 % and +19 %; a Zen 4, one
-    run: +4.7 % and +7.5 %). Off: with
-    AMX (bf16: a step cost 15 %, 17.8 against 15.5 ms; float32 not timed; int8 files there keep the
-    kernel), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
-    round ~20 %; an H200, split-K and attention chunks: a step 69 %), int4 files (Zen 5, group 32:
-    a step +42 %, a round +20 %, their kernel as a custom op; a Zen 4 through Inductor's int4
-    template, three runs: a step +0.9 to +9.5 %, a round +7.9 to +11.6 %, median +11.3 %). float16 and eager runs were not
-    timed against the 10 %: off until they are."""
+    AVX-512 without AMX; a Zen 5, three runs of turns in alternating order: a step -3.2, +3.1,
+    -1.1 %, a round +7.1, +12.2, +6.4 %, MT-bench plain decoding 6.4 % slower, whole answers;
+    through torch's int8 kernel, as the mode ran them before, +29 % and +19 %; a Zen 4, one run: a
+    step +4.7 %, a round +7.5 %). Off: with AMX (bf16: a step cost 15 %, 17.8 against 15.5 ms;
+    float32 not timed; int8 files there keep the kernel), on CUDA (an H100, SmolLM2 compiled in
+    bf16: a step cost 67 %, 1.82 against 1.09 ms, a round ~20 %; an H200, split-K and attention
+    chunks: a step 69 %), int4 files (Zen 5, group 32: a step +42 %, a round +20 %, their kernel as
+    a custom op; a Zen 4 through Inductor's int4 template, three runs: a step +0.9 to +9.5 %, a
+    round +7.9 to +11.6 %, median +11.3 %). float16 and eager runs were not timed against the
+    10 %: off until they are."""
     quantized = mode_from_path(checkpoint_path)[0]
     return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
             and (quantized is None or quantized == "int8" and quantize.INDUCTOR_INT8_ROWS_INVARIANT)
