@@ -17,7 +17,6 @@ import json
 import resource
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -43,7 +42,7 @@ STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop to
 def prefill(model: Transformer, prompt: Tensor, temperature, top_k, top_p) -> Tensor:
     """Run the prompt [B, L] through the model, filling cache slots 0..L-1; returns the first new token [B]."""
     input_pos = torch.arange(prompt.size(1), device=prompt.device)
-    with nullcontext() if torch.compiler.is_compiling() else quantize.prefill_rows(model):
+    with quantize.prefill_rows(model):
         logits = model(prompt, input_pos)
     return sample(logits[:, -1], temperature, top_k, top_p)
 

@@ -248,16 +248,20 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
 def prefill_rows(model: nn.Module):
-    """For the duration, model's int8 layers compute as outside batch-invariant mode: for an eager
+    """A context in which model's int8 layers compute as outside batch-invariant mode: for an eager
     prefill, whose rows no other forward's need to equal (plain and speculative decoding prefill a
     prompt with the same code and shapes, as model.Transformer.forward's attention assumes too).
     In the mode they would take torch's int8 kernel for every row of a prompt, where the cast and a
     bf16 GEMM are faster from 17 rows on (SmolLM2, 200 tokens: a Zen 5 207 against 123 ms, a Zen 4
-    591 against 278 ms). Not
-    for compiled code: its layers are the template already (INDUCTOR_INT8_ROWS_INVARIANT), and
-    dynamo would have to trace the flags' changes. int4 layers run one kernel eager either way."""
+    591 against 278 ms). While compiling, a context that does nothing: compiled layers are the
+    template already (INDUCTOR_INT8_ROWS_INVARIANT), and dynamo would have to trace the flags'
+    changes. int4 layers run one kernel eager either way."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _int8_layers_out_of_the_mode(model)
+
+
+@contextlib.contextmanager
+def _int8_layers_out_of_the_mode(model: nn.Module):
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear) and m.row_invariant]
     for m in layers:
         m.row_invariant = False

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -195,7 +194,7 @@ class Speculator(nn.Module):
         if L + max_new_tokens + 2 * (self.depth + 1) > self.capacity or B != self.out.size(0):
             self.setup(B, L + max_new_tokens + 2 * (self.depth + 1))  # room for the last round's overshoot
         target, device = self.target, prompt.device
-        with nullcontext() if torch.compiler.is_compiling() else prefill_rows(target):  # as generate.prefill
+        with prefill_rows(target):  # as generate.prefill
             logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
                                                  layer_ids=self.layer_ids)
         if root is None:

@@ -180,7 +180,6 @@ def test_a_prefill_in_batch_invariant_mode_runs_int8_layers_as_outside_it():
     assert int8.row_invariant
 
 
-
 @torch.no_grad()
 def test_plain_and_speculative_prefills_leave_the_mode_for_int8_layers():
     """generate.prefill and Speculator.prefill run an eager target's int8 layers outside the mode
