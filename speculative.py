@@ -193,6 +193,14 @@ class Speculator(nn.Module):
         B, L = prompt.shape
         if L + max_new_tokens + 2 * (self.depth + 1) > self.capacity or B != self.out.size(0):
             self.setup(B, L + max_new_tokens + 2 * (self.depth + 1))  # room for the last round's overshoot
+        self.read_prompt(prompt, max_new_tokens, root)
+
+    def read_prompt(self, prompt: Tensor, max_new_tokens: int, root: Optional[Tensor] = None):
+        """prefill once the caches and buffers are big enough. --compile_prefill compiles this part
+        only: growing them (setup) allocates and registers buffers and asks whether the target's
+        caches are still views of one storage, a data-pointer comparison that dynamo refuses to
+        trace; that host work stays in prefill, eager, before the graph is called."""
+        B, L = prompt.shape
         target, device = self.target, prompt.device
         with prefill_rows(target):  # as generate.prefill
             logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
@@ -1014,7 +1022,7 @@ def compile_round(spec: Speculator, compile_prefill: bool, backend="inductor"):
     for name in ("round", "plain_step", "flush"):
         setattr(spec, name, compile_function(torch._dynamo.dont_skip_tracing(getattr(spec, name)), device, modules,
                                              options=ROUND_OPTIONS, backend=backend))
-    if compile_prefill:  # prompts vary in length: dynamic shapes, no CUDA graphs
-        spec.prefill = compile_function(spec.prefill, device, modules, dynamic=True, options=PREFILL_OPTIONS,
-                                        backend=backend)
+    if compile_prefill:  # prompts vary in length: dynamic shapes, no CUDA graphs; setup stays eager
+        spec.read_prompt = compile_function(spec.read_prompt, device, modules, dynamic=True,
+                                            options=PREFILL_OPTIONS, backend=backend)
     return spec

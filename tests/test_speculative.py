@@ -382,6 +382,43 @@ def test_a_compiled_flush_writes_the_draft_cache_where_the_text_is_now():
     torch._dynamo.reset()
 
 
+@torch.no_grad()
+def test_compiled_prefill_takes_any_prompt_length_and_grows_the_buffers_before_its_graph():
+    """--compile_prefill compiles the prompt's forward with dynamic shapes. A prompt that needs more
+    room than the buffers have makes prefill grow them (setup) eagerly before the graph runs:
+    traced, setup_caches' check that the target's caches are still views of one storage stopped
+    dynamo ("Data pointer comparison"). Prompts of three lengths, the last one beyond the draft's
+    cache: the state a round starts from is the eager prefill's, and decoding from it gives
+    vanilla's tokens."""
+    (target, draft), (eager_target, eager_draft) = eagle3_pair(), eagle3_pair()
+    spec = speculative.Speculator(target, draft, **METHODS["eagle3"])
+    eager = speculative.Speculator(eager_target, eager_draft, **METHODS["eagle3"])
+    for s in (spec, eager):  # the targets' caches already hold 256 slots (as in batch-invariant mode on a
+        s.target.setup_caches(1, 256)  # CPU, or after a long plain decoding): the draft's are what grow
+        s.setup(1, 48)
+    torch._dynamo.reset()
+    eager_round = spec.round
+    speculative.compile_round(spec, compile_prefill=True)
+    for length, n in ((9, 8), (20, 8), (60, 40)):
+        prompt = prompts(1, 512, seed=length, lengths=(length, length + 1))[0]
+        grows = length + n + 2 * (spec.depth + 1) > spec.capacity
+        spec.prefill(prompt, n)
+        eager.prefill(prompt, n)
+        assert spec.capacity >= length + n and grows == (length == 60)
+        for name in ("out", "n_out", "root", "prefix_len", "cu_tokens", "cu_count", "left", "done"):
+            assert torch.equal(getattr(spec, name), getattr(eager, name)), name
+        torch.testing.assert_close(spec.cu_features, eager.cu_features)
+        caches = [(layer.attention.kv_cache, 0) for layer in target.layers] + [(draft.layer.attention.kv_cache, 1)]
+        references = [layer.attention.kv_cache for layer in eager_target.layers] + [eager_draft.layer.attention.kv_cache]
+        for (cache, fewer), reference in zip(caches, references):  # the draft reads pairs: one fewer than the prompt
+            for name in ("k_cache", "v_cache"):
+                torch.testing.assert_close(getattr(cache, name)[:, :, :length - fewer],
+                                           getattr(reference, name)[:, :, :length - fewer])
+    ids, _ = speculative.speculative_generate(spec, prompt, 40, round_fn=eager_round)
+    assert ids == vanilla(eager_target, prompt, 40)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("with_draft", [False, True], ids=["lookup", "eagle2+lookup"])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (1.0, None, 0.8)])
 @torch.no_grad()
