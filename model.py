@@ -224,16 +224,19 @@ def eager_invariant_rows(model: nn.Module, most: int = EAGER_ROWS_PROBED) -> int
                     key=lambda shape: (shape[1] * shape[2], str(shape[0])))
     rows = min(most, EAGER_ROWS_PROBED)
     for shape in shapes:
-        rows = _eager_linear_rows(*shape, most=rows)
+        rows = _eager_linear_rows(*shape, most=rows, threads=torch.get_num_threads())
     return rows
 
 
 @functools.lru_cache(maxsize=None)
-def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = EAGER_ROWS_PROBED) -> int:
+def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = EAGER_ROWS_PROBED, *,
+                       threads: int) -> int:
     """The largest m <= most such that F.linear in calls of 1, 2, ..., m rows gives every row the
     bits it gets alone. Each count is tried on all of 64 or more rows of random data (a fixed seed,
     its own generator; at least 65,536 outputs): a path that rounds apart may touch only a few rows
-    in ten (measured)."""
+    in ten (measured). threads: torch's thread count, a key of the cache only: how a kernel splits
+    its work among threads can decide how it rounds, and a process may change the count (the test
+    suite does)."""
     if most <= 1:
         return most
     g = torch.Generator().manual_seed(0)
@@ -561,17 +564,19 @@ def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int,
     as a constant of the graph: speculative.compile_function marks it with
     torch.compiler.assume_constant_result (marked here, at import, it would import dynamo and
     Triton with every `import model`: a second more for every script)."""
-    return _flash_rows_probe(dtype, head_dim, keys, rows, bias_dtype or dtype)
+    return _flash_rows_probe(dtype, head_dim, keys, rows, bias_dtype or dtype, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, bias_dtype: torch.dtype) -> int:
+def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, bias_dtype: torch.dtype,
+                      threads: int) -> int:
     """The fewest rows >= rows for which a call of ATen's CPU flash-attention kernel over `keys`
     keys computes every row bit for bit as a lone call of FLASH_BLOCK rows does with the row
     elsewhere in its block (each block of the call checked against one of its rows in reverse
     order; output and log-sum-exp; random data of a fixed seed; 2,048 rows or more in all: a path
     that rounds apart shows in 0.1-20 % of rows, measured). Padding every call to
-    this count makes a row's result independent of how many rows come with it and where."""
+    this count makes a row's result independent of how many rows come with it and where.
+    threads: a key of the cache only, as for _eager_linear_rows."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     g = torch.Generator().manual_seed(0)  # not the global generator: sampling must not see the probe
     heads = 64  # each head is a block of its own: 64 samples a call

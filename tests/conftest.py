@@ -12,8 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# scripts/test.sh runs the suite in two pytest-xdist workers: most of a test's time is compiling,
+# which is one thread (dynamo, Inductor) or a gcc process, so two workers on two cores take about
+# half the time. Each worker gets its share of the cores (set before torch reads it at import), so
+# that their kernels do not fight over the same cores; tests marked all_threads take every core
+# back (fixture below). A user's setting is kept.
+CORES = len(os.sched_getaffinity(0))
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, CORES // WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, the Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when
 # @triton.jit decorates a function, its own triton.language helpers (tl.zeros, ...) included, that
@@ -218,6 +228,23 @@ def cpu_compile_without_autotuning(request, monkeypatch):
         monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "max_autotune": False})
 
 
+@pytest.fixture(autouse=True)
+def all_threads(request):
+    """Tests marked all_threads run with a thread per core, as a user's process does: whether a
+    row's bits depend on how many rows come together can depend on how the work is split among
+    threads (a GEMM that splits K over threads when there are few rows), which one thread would
+    never show."""
+    if "all_threads" not in request.keywords:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(CORES)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _find_smollm2_gguf():
     """The SmolLM2-135M-Instruct Q4_1 GGUF: $SMOLLM2_GGUF, else where scripts/prepare.sh caches it,
     else the copy of the development machine; None when there is none."""
@@ -259,17 +286,19 @@ def tiny_target(name: str = "tiny-llama", seed: int = 0, **overrides):
     return model
 
 
-def invariant_cases(model, dtype, P, T, region):
+def invariant_cases(model, dtype, P, T, region, prefill=None):
     """The logits of T chain tokens after a P-token prefix: decoded one by one, and verified as
     trees of `region` nodes whose chain nodes sit in order, spread out between decoys, and in
     reverse order (node numbering must not matter). For batch-invariant mode's tests
-    (tests/test_model.py, tests/test_quantize.py)."""
+    (tests/test_model.py, tests/test_quantize.py). prefill: what writes the prefix's cache entries,
+    default model; the compiled tests pass the eager forward, since steps and verifies read the
+    same entries whoever wrote them, and each prefix length would be a compile of its own."""
     from model import TreeMask
 
     S, V = model.max_seq_length, model.config.vocab_size
     dev = model.tok_embeddings.weight.device  # the inputs are drawn on the CPU (same draws anywhere), then moved
     ids = torch.randint(0, V, (1, P + T), generator=torch.Generator().manual_seed(1))
-    model(ids[:, :P].to(dev), torch.arange(P, device=dev))
+    (prefill or model)(ids[:, :P].to(dev), torch.arange(P, device=dev))
     steps = torch.cat([model(ids[:, P + i:P + i + 1].to(dev), torch.tensor([P + i], device=dev)) for i in range(T)], 1)
     cases = {}
     step = region // T

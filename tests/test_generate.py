@@ -247,6 +247,7 @@ def test_auto_dtype_of_a_compiled_cpu_run_is_the_one_measured_fastest_there(monk
     assert gen.parse_args(["--device", "cpu", "--no-compile", "--batch_invariant"]).dtype == "bfloat16"
 
 
+@pytest.mark.all_threads
 def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
@@ -282,6 +283,7 @@ def test_batch_invariant_on_cuda_takes_every_dtype_and_quantized_files_and_refus
     assert "not under torchrun" in gen.batch_invariant_problem("cuda", "bfloat16", True, tmp_path / "model.pth")
 
 
+@pytest.mark.all_threads
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint, capsys, mode):
     """int8 and int4 files in batch-invariant mode (eager, bf16): trees of 32 nodes (28 + 4 lookup), where a plain

@@ -252,6 +252,7 @@ def test_batch_invariant_attention_is_attention(dtype):
     torch.testing.assert_close(cases["tree reversed"].float(), plain_steps.float(), **tol)
 
 
+@pytest.mark.all_threads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype):
     """The window form on its own, eager: for T of 1 to 64 queries (GQA, two batch rows), each row
@@ -285,6 +286,7 @@ def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype)
     torch.testing.assert_close(one.float(), expected, **tol)
 
 
+@pytest.mark.all_threads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.no_grad()
 def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype):
@@ -318,6 +320,7 @@ def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_togeth
         torch._dynamo.reset()
 
 
+@pytest.mark.all_threads
 @pytest.mark.parametrize("name", TINY)
 @torch.no_grad()
 def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
@@ -338,6 +341,7 @@ def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
 EAGER_ROWS_ASKED = 32
 
 
+@pytest.mark.all_threads
 @torch.no_grad()
 def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
     """model.eager_invariant_rows: every row count up to its answer gives each row of each of the
@@ -354,7 +358,8 @@ def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
         alone = torch.cat([lin(r) for r in xs.split(1)])
         assert all(torch.equal(lin(xs[:n]), alone[:n]) for n in range(1, rows + 1)), lin
     if rows < EAGER_ROWS_ASKED:  # some linear gives a call of rows + 1 other bits
-        assert any(m._eager_linear_rows(lin.weight.dtype, lin.out_features, lin.in_features, most=rows + 1) == rows
+        assert any(m._eager_linear_rows(lin.weight.dtype, lin.out_features, lin.in_features, most=rows + 1,
+                                      threads=torch.get_num_threads()) == rows
                    for lin in linears)
 
 
@@ -366,6 +371,7 @@ def smollm2_two_layers_bf16():
     return model
 
 
+@pytest.mark.all_threads
 def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
     """In the mode, eager, a verify of as many nodes as model.eager_invariant_rows finds this CPU's
     GEMMs invariant for (up to 32 here) gives every row the bits of one-token steps, however the
@@ -380,6 +386,7 @@ def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
     assert all(torch.equal(logits, steps) for logits in cases.values())
 
 
+@pytest.mark.all_threads
 @pytest.mark.autotune  # the C++ GEMM templates, as generate.py compiles: they are what must be invariant
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @torch.no_grad()
@@ -398,7 +405,7 @@ def test_batch_invariant_compiled_step_and_verify_graphs_give_equal_rows(dtype):
         # bf16, the default, also at 16 nodes; the other dtypes at 64 only (each shape is a compile)
         for P, T, region in ((20, 8, 16), (30, 30, 64)) if dtype == torch.bfloat16 else ((30, 30, 64),):
             model.setup_caches(1, 160)
-            steps, cases = invariant_cases(model, dtype, P, T, region)
+            steps, cases = invariant_cases(model, dtype, P, T, region, prefill=eager_forward)
             assert torch.equal(cases["tree spread"], steps), (T, region)
             assert torch.equal(cases["tree reversed"], steps), (T, region)
     finally:

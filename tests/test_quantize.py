@@ -133,6 +133,7 @@ def test_int4_linear_matches_dequantized_matmul(in_features, out_features, group
         F.linear(x, deq, lin.bias), 1e-6)
 
 
+@pytest.mark.all_threads
 @torch.no_grad()
 def test_cpu_rows_do_not_depend_on_the_row_count_in_batch_invariant_mode():
     """bf16 on a CPU, SmolLM2's layer shapes: each row of a 1-64-row matmul equals that row alone,
@@ -203,6 +204,7 @@ def test_plain_and_speculative_prefills_leave_the_mode_for_int8_layers():
     assert all(invariant for _, invariant in seen[2:]) and len(seen) > 2
 
 
+@pytest.mark.all_threads
 @pytest.mark.autotune  # as generate.py compiles: max-autotune has a GEMM template of its own for int8 weights
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @torch.no_grad()
@@ -226,7 +228,7 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
     try:
         for P, T, region in ((20, 8, 16), (30, 30, 64)):
             model.setup_caches(1, 160)
-            steps, cases = invariant_cases(model, torch.bfloat16, P, T, region)
+            steps, cases = invariant_cases(model, torch.bfloat16, P, T, region, prefill=eager_forward)
             assert all(torch.equal(logits, steps) for logits in cases.values()), (mode, P, T, region)
     finally:
         model.forward = eager_forward
@@ -237,6 +239,7 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
 @pytest.mark.parametrize("mode,out_features,template", [("int8", 96, True), ("int8", 96, False),
                                                          ("int4", 128, True), ("int4", 128, False),
                                                          ("int4", 96, True)])
+@pytest.mark.all_threads
 @torch.no_grad()
 def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(monkeypatch, mode, out_features,
                                                                               template):

@@ -210,6 +210,7 @@ def test_greedy_equals_vanilla_on_smollm2(smollm2_checkpoint):
             assert speculative.speculative_generate(spec, prompt, 24)[0] == expected, (method, text)
 
 
+@pytest.mark.all_threads
 @torch.no_grad()
 def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_checkpoint):
     """bfloat16, where the batched verify and the one-token step round differently: with the
