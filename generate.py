@@ -288,7 +288,8 @@ def parse_args(argv=None):
                         "without; with auto, chosen unless given)")
     g.add_argument("--tree_depth", type=int, default=None,
                    help="eagle2/eagle3: levels of draft guesses (default 6 for eagle2, 8 for eagle3, as in their "
-                        "papers; 3 compiled on a CPU; with auto, chosen unless given)")
+                        "papers; 3 compiled on a CPU; with auto, chosen unless given); at most --tree_tokens - 1, "
+                        "the deepest a tree of that many nodes reaches")
     g.add_argument("--tree_tokens", type=_tree_tokens_arg, default=None,
                    help="eagle2/eagle3: nodes verified per round, root included (default: compiled on a CPU 12 "
                         "with AMX, 4 without; auto for eager CPU runs; 60 on a GPU); auto: choose top_k, depth and tokens from what rounds "

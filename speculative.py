@@ -136,6 +136,11 @@ class Speculator(nn.Module):
             if not 2 <= tree_tokens <= most:
                 raise ValueError(f"--tree_tokens must be in [2, {most}] for top_k {tree_top_k} and depth {tree_depth}, "
                                  f"got {tree_tokens}")
+            # The draft grows no deeper than the tree can reach: a candidate's score is at most its
+            # parent's, so the tree_tokens - 1 best never lie below depth tree_tokens - 1, and each
+            # level more would be a draft forward for nothing (--tree_tokens 4 with eagle3's default
+            # depth 8 ran five of them a round).
+            tree_depth = min(tree_depth, tree_tokens - 1)
         self.target, self.draft, self.static = target, draft, static
         self.tree_top_k, self.tree_depth, self.tree_tokens = tree_top_k, tree_depth, tree_tokens  # the draft's tree
         self.lookup, self.lookup_ngram = lookup, lookup_ngram

@@ -284,6 +284,25 @@ def test_a_tree_deeper_than_the_invariant_window_is_an_error():
         speculative.Speculator(target, random_draft(target), tree_top_k=4, tree_depth=4, tree_tokens=10, lookup=3)
 
 
+@torch.no_grad()
+def test_the_draft_grows_no_deeper_than_a_tree_of_its_tokens_can_reach():
+    """A dynamic tree of n tokens keeps the n - 1 best-scored candidates, and a candidate scores at
+    most its parent: a Speculator asked for depth 8 and 5 tokens grows 4 levels, and the tree of
+    those 4 is the tree the 8 would give (tokens, parents, depths)."""
+    from draft import grow_dynamic_tree
+    target = tiny_target("tiny-llama")
+    draft = random_eagle3_draft(target, std=0.5)
+    assert speculative.Speculator(target, draft, tree_top_k=4, tree_depth=8, tree_tokens=5).tree_depth == 4
+    assert speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=5).tree_depth == 3
+    draft.setup_caches(2, 256)
+    root = torch.tensor([5, 9])
+    root_hidden = torch.randn(2, target.config.dim, generator=torch.Generator().manual_seed(0))
+    trees = [grow_dynamic_tree(draft, target.tok_embeddings, target.output, root, root_hidden,
+                               torch.zeros(2, dtype=torch.long), 4, depth, 5) for depth in (8, 4)]
+    for name in ("tokens", "parents", "depth"):
+        assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), name
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt lookup, hybrid trees, and adaptive decoding (rounds and plain steps mixed)
 # ---------------------------------------------------------------------------------------------
