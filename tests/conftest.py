@@ -17,7 +17,8 @@ from pathlib import Path
 # half the time. Each worker gets its share of the cores (set before torch reads it at import), so
 # that their kernels do not fight over the same cores; tests marked all_threads take every core
 # back (fixture below). A user's setting is kept.
-CORES = len(os.sched_getaffinity(0))
+# the cores this process may run on (sched_getaffinity is Linux's; elsewhere all of them)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, CORES // WORKERS)))
@@ -230,11 +231,11 @@ def cpu_compile_without_autotuning(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def all_threads(request):
-    """Tests marked all_threads run with a thread per core, as a user's process does: whether a
-    row's bits depend on how many rows come together can depend on how the work is split among
-    threads (a GEMM that splits K over threads when there are few rows), which one thread would
-    never show."""
-    if "all_threads" not in request.keywords:
+    """Tests marked all_threads run with a thread per core under pytest-xdist, as a user's process
+    does: whether a row's bits depend on how many rows come together can depend on how the work is
+    split among threads (a GEMM that splits K over threads when there are few rows), which one
+    thread would never show. In one process torch's own count stays."""
+    if "all_threads" not in request.keywords or WORKERS == 1:
         yield
         return
     before = torch.get_num_threads()
