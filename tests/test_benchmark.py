@@ -430,6 +430,7 @@ def test_auto_shape_measures_once_and_reads_its_cache(monkeypatch, tmp_path):
     first = speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
     again = speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
     assert first == again == dict(tree_top_k=4, tree_depth=5, tree_tokens=6) and len(calls) == 1
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the file, renamed whole: no partial one left
     speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=1.0)
     assert len(calls) == 2  # another temperature is another measurement
     with pytest.raises(ValueError, match="measures on prompts"):
