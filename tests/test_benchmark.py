@@ -34,6 +34,7 @@ def test_eager_float32_baseline_row(tiny_checkpoint, tmp_path):
     assert step["step_ms"] > 0 and step["read_gb_s"] > 0 and step["fraction_of_read"] == step["gb_s"] / step["read_gb_s"]
 
 
+@pytest.mark.all_threads
 def test_batch_invariant_run_is_equal_and_times_the_plain_decoding_it_replaces(tiny_checkpoint, tmp_path):
     """--batch_invariant (bf16): every speculative answer equals the invariant vanilla's at T=0,
     and a row of plain decoding without the mode (its own copy of the weights) prices the mode."""

@@ -242,6 +242,7 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_
             assert speculative.speculative_generate(spec, prompt, 32)[0] == expected, (method, text)
 
 
+@pytest.mark.all_threads
 @torch.no_grad()
 def test_greedy_equals_vanilla_in_int8_with_batch_invariance_on_smollm2(smollm2_checkpoint):
     """The same for SmolLM2 quantized to int8 (bf16 activations) and the EAGLE-2 head, trees of
@@ -264,6 +265,7 @@ def test_greedy_equals_vanilla_in_int8_with_batch_invariance_on_smollm2(smollm2_
     assert speculative.speculative_generate(spec, prompt, 32)[0] == vanilla(target, prompt, 32, stop_ids=tokenizer.stop_ids)
 
 
+@pytest.mark.all_threads
 @pytest.mark.parametrize("method", ["eagle2", "eagle3"])
 @torch.no_grad()
 def test_greedy_equals_vanilla_in_bf16_with_batch_invariance(method):
