@@ -7,6 +7,10 @@
         --preset smollm2-cpu --out_dir heads/SmolLM2-135M-Instruct-eagle3 \
         --data_dir data/SmolLM2-135M-Instruct --resume --force
 
+    python scripts/train_eagle.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
+        --preset smollm2-cpu --out_dir /tmp/eagle2 --data_dir data/SmolLM2-135M-Instruct --n_shards 180 \
+        --init_from heads/SmolLM2-135M-Instruct --epochs 1
+
 Three stages, each cached and resumed when rerun:
   1. data       EAGLE-1/2: Magpie prompts (the target, given only its chat template up to an empty
                 user turn, writes user messages), then the target's answers.
@@ -17,6 +21,7 @@ Three stages, each cached and resumed when rerun:
                 sampled. Stored as token ids (and which tokens are the assistant's), compressed, in
                 shards under --data_dir: small enough for git, so that a later session, even on a
                 fresh machine, continues from them. No outside or evaluation data is used.
+                An EAGLE-1/2 run given --data_dir trains on those shards too (the EAGLE-3 data).
   2. features   One teacher-forced forward of the target over each conversation (prefill-shaped, big
                 matmuls) gives what the draft learns from: the final post-norm hidden state
                 (EAGLE-1/2), or the residual streams entering three layers and the target's most
@@ -238,25 +243,31 @@ def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
             current = []
         current.append(i)
     groups += [current] if current else []
-    for group in groups:
-        n = max(len(seqs[i]) for i in group)
-        model.setup_caches(len(group), n)
-        if model.max_batch_size > len(group):
-            keep_cache_rows(model, torch.arange(len(group), device=device))
-        ids = torch.tensor([list(seqs[i]) + [0] * (n - len(seqs[i])) for i in group], device=device)
-        logits, final, layer_inputs = model(ids, torch.arange(n, device=device), return_features=True,
-                                            layer_ids=layer_ids or (), kv_len=n)
-        feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
-        # float16 halves the cache; the rare residual-stream value beyond its range (SmolLM2 reaches
-        # 25k at layer 27) is clamped rather than turned into inf
-        feats = feats.float().clamp(-65504, 65504)
-        for b, i in enumerate(group):
-            m = len(seqs[i])
-            row = {"features": feats[b, :m].half().cpu()}
-            if keep_top:
-                top = torch.softmax(logits[b, :m].float(), dim=-1).topk(keep_top, dim=-1)
-                row.update(top_ids=top.indices.cpu(), top_probs=top.values.half().cpu())
-            out[i] = row
+    output = model.output
+    if not keep_top:  # no logits needed: the LM head is a fifth of the forward's time on a CPU
+        model.output = torch.nn.Identity()
+    try:
+        for group in groups:
+            n = max(len(seqs[i]) for i in group)
+            model.setup_caches(len(group), n)
+            if model.max_batch_size > len(group):
+                keep_cache_rows(model, torch.arange(len(group), device=device))
+            ids = torch.tensor([list(seqs[i]) + [0] * (n - len(seqs[i])) for i in group], device=device)
+            logits, final, layer_inputs = model(ids, torch.arange(n, device=device), return_features=True,
+                                                layer_ids=layer_ids or (), kv_len=n)
+            feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
+            # float16 halves the cache; the rare residual-stream value beyond its range (SmolLM2 reaches
+            # 25k at layer 27) is clamped rather than turned into inf
+            feats = feats.float().clamp(-65504, 65504)
+            for b, i in enumerate(group):
+                m = len(seqs[i])
+                row = {"features": feats[b, :m].half().cpu()}
+                if keep_top:
+                    top = torch.softmax(logits[b, :m].float(), dim=-1).topk(keep_top, dim=-1)
+                    row.update(top_ids=top.indices.cpu(), top_probs=top.values.half().cpu())
+                out[i] = row
+    finally:
+        model.output = output
     return out
 
 
@@ -359,13 +370,22 @@ def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path,
                     "temperature": temperature}, shard)
 
 
+def answer_record(ids: torch.Tensor, features: torch.Tensor, prompt_len: int) -> dict:
+    """The training record of a one-turn answer, in the form load_conversations gives a
+    conversation's (numpy arrays): learn[p] says that the token after position p is an answer token."""
+    ids = ids.numpy().astype(np.int64)
+    learn = np.zeros(len(ids), dtype=bool)
+    learn[prompt_len - 1:len(ids) - 1] = True
+    return {"ids": ids, "features": features.numpy(), "learn": learn, "turns": 1, "prompt": ids[:prompt_len]}
+
+
 def load_shards(data_dir: Path):
     data = {"train": [], "val": []}
     for shard in sorted(data_dir.glob("shard_*.pt")):
         s = torch.load(shard, weights_only=True)
         for ids, feats, plen, split in zip(s["ids"], s["features"], s["prompt_len"], s["split"]):
             if len(ids) > plen + 1:  # at least one answer token to learn from
-                data[split].append((ids.long(), feats, plen))
+                data[split].append(answer_record(ids, feats, plen))
     return data
 
 
@@ -597,22 +617,27 @@ def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: i
 def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_top: int, max_tokens=8192):
     """The teacher-forced features and top tokens of a shard's conversations, cached as .npy files
     under cache_dir (memory-mapped when read: the page cache holds them, not the process) and
-    recomputed when missing or made from other ids. Returns (features [T, F] float16, top_ids
+    recomputed when missing or made from other ids. layer_ids: the EAGLE-3 layers whose inputs are
+    fused, or None for the final post-norm hidden state (EAGLE-1/2; its files are named apart, so
+    that both kinds of head may share a cache_dir). Returns (features [T, F] float16, top_ids
     [T, K] uint16, top_probs [T, K] float16), rows in the shard's token order."""
     s = load_conversation_arrays(shard)
-    stamp = {"tokens": int(len(s["ids"])), "crc32": zlib.crc32(s["ids"].tobytes()), "layer_ids": list(layer_ids),
-             "keep_top": keep_top}
-    names = [cache_dir / f"{shard.stem}.{part}.npy" for part in ("features", "top_ids", "top_probs")]
-    stamp_file = cache_dir / f"{shard.stem}.json"
+    stamp = {"tokens": int(len(s["ids"])), "crc32": zlib.crc32(s["ids"].tobytes()),
+             "layer_ids": None if layer_ids is None else list(layer_ids), "keep_top": keep_top}
+    stem = shard.stem if layer_ids is not None else f"{shard.stem}.final"
+    names = [cache_dir / f"{stem}.{part}.npy" for part in ("features", "top_ids", "top_probs")]
+    stamp_file = cache_dir / f"{stem}.json"
     if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
         cache_dir.mkdir(parents=True, exist_ok=True)
         o = s["offsets"]
         seqs = [s["ids"][o[i]:o[i + 1]].astype(np.int64).tolist() for i in range(len(o) - 1)]
         rows = target_features(model, seqs, layer_ids, keep_top, max_tokens)
-        width = 3 * model.config.dim
+        width = model.config.dim * (1 if layer_ids is None else len(layer_ids))
+        T = sum(len(q) for q in seqs)
         parts = [torch.cat([r["features"] for r in rows]) if rows else torch.zeros(0, width, dtype=torch.half),
-                 torch.cat([r["top_ids"] for r in rows]).to(torch.int32) if rows else torch.zeros(0, keep_top),
-                 torch.cat([r["top_probs"] for r in rows]) if rows else torch.zeros(0, keep_top)]
+                 torch.cat([r["top_ids"] for r in rows]).to(torch.int32) if rows and keep_top
+                 else torch.zeros(T, keep_top),
+                 torch.cat([r["top_probs"] for r in rows]) if rows and keep_top else torch.zeros(T, keep_top)]
         for name, array, dtype in zip(names, parts, (np.float16, np.uint16, np.float16)):
             np.save(name.with_suffix(".tmp.npy"), array.numpy().astype(dtype))
             os.replace(name.with_suffix(".tmp.npy"), name)
@@ -740,9 +765,11 @@ def unrolled_mask(n: int, step: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def make_batches(items, batch_tokens: int, shuffle: bool, rng: random.Random):
-    """Length-sorted batches of at most batch_tokens padded tokens (items: (ids, ...) tuples)."""
-    return make_batches_by_length([len(item[0]) for item in items], batch_tokens, shuffle, rng)
+def make_batches(records, batch_tokens: int, shuffle: bool, rng: random.Random):
+    """Length-sorted batches of at most batch_tokens padded tokens, one-turn and two-turn
+    conversations apart (records: dicts with "ids" and "turns")."""
+    return make_batches_by_length([len(r["ids"]) for r in records], batch_tokens, shuffle, rng,
+                                  [r["turns"] for r in records])
 
 
 def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: random.Random, groups=None):
@@ -765,15 +792,19 @@ def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: rando
     return batches
 
 
-def collate(items, device):
-    n = max(len(ids) for ids, _, _ in items)
-    B, dim = len(items), items[0][1].size(-1)
+def collate(records, device):
+    """EAGLE-1/2 batch: ids, features and learn (positions t whose next token is an answer token),
+    right-padded. Features may be memory-mapped float16 arrays (load_conversations) or tensors."""
+    n = max(len(r["ids"]) for r in records)
+    B, dim = len(records), records[0]["features"].shape[-1]
     ids = torch.zeros(B, n, dtype=torch.long)
     feats = torch.zeros(B, n, dim)
-    learn = torch.zeros(B, n, dtype=torch.bool)  # positions t whose next feature is an answer token's
-    for b, (x, f, plen) in enumerate(items):
-        ids[b, :len(x)], feats[b, :len(x)] = x, f.float()
-        learn[b, plen - 1:len(x) - 1] = True
+    learn = torch.zeros(B, n, dtype=torch.bool)
+    for b, r in enumerate(records):
+        m = len(r["ids"])
+        ids[b, :m] = torch.from_numpy(np.array(r["ids"], dtype=np.int64))  # (copies out of the memory maps)
+        feats[b, :m] = torch.from_numpy(np.array(r["features"], dtype=np.float32))
+        learn[b, :m] = torch.from_numpy(np.array(r["learn"], dtype=bool))
     return ids.to(device), feats.to(device), learn.to(device)
 
 
@@ -1044,12 +1075,9 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
     draft = make_draft(target, args, vocab, head_weight, init).to(device).train()
     if eagle3:
         draft_index = index_of_vocab(vocab, target.config.vocab_size)
-        lengths = [len(r["ids"]) for r in data["train"]]
-        groups = [r["turns"] for r in data["train"]]
-        max_len = max(lengths + [len(r["ids"]) for r in data["val"]])
-    else:
-        lengths, groups = [len(item[0]) for item in data["train"]], None
-        max_len = max(lengths + [len(item[0]) for item in data["val"]])
+    lengths = [len(r["ids"]) for r in data["train"]]
+    groups = [r["turns"] for r in data["train"]]
+    max_len = max(lengths + [len(r["ids"]) for r in data["val"]])
     setup_for_training(draft, max_len + preset.unroll + 1)
     params = [p for p in draft.parameters() if p.requires_grad]
     # The warm-started LM head and final norm may learn at their own rate (head_lr_scale).
@@ -1175,18 +1203,19 @@ def parse_args(argv=None):
     p.add_argument("--work_dir", type=Path, default=None,
                    help="resumable state, cached features, per-epoch checkpoints (default: OUT_DIR.work)")
     p.add_argument("--data_dir", type=Path, default=None,
-                   help="eagle3: the conversation shards, token ids, kept (default: WORK_DIR/conversations; "
-                        "data/<model> in the repository for a head that others continue)")
+                   help="the conversation shards, token ids, kept (eagle3 default: WORK_DIR/conversations; "
+                        "data/<model> in the repository for a head that others continue). eagle: train on these "
+                        "shards instead of writing one-turn Magpie answers")
     p.add_argument("--cache_dir", type=Path, default=None,
-                   help="eagle3: the teacher-forced features of the shards (default: WORK_DIR/features); runs on "
-                        "the same shards and target may share it")
+                   help="the teacher-forced features of the shards (default: WORK_DIR/features); runs on the same "
+                        "shards and target may share it, EAGLE-1/2 and EAGLE-3 heads alike")
     p.add_argument("--resume", action="store_true",
                    help="continue the training state saved in WORK_DIR (bit for bit, over the shards it started "
                         "on); without a saved state, start")
     p.add_argument("--max_steps", type=int, default=None,
                    help="stop after this many optimizer steps in all (the state is saved: --resume continues)")
     p.add_argument("--first_shard", type=int, default=0,
-                   help="eagle3: train on shards FIRST_SHARD .. n_shards-1 only (with --init_from: a short "
+                   help="shards: train on FIRST_SHARD .. n_shards-1 only (with --init_from: a short "
                         "continuation on the newest shards, with some older ones as replay, when a whole "
                         "epoch does not fit the time)")
     p.add_argument("--data_only", action="store_true", help="write the data (eagle3: the shards), then stop")
@@ -1218,6 +1247,9 @@ def parse_args(argv=None):
     if (args.out_dir / "draft.safetensors").exists() and not args.force and not args.data_only:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
     args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
+    # EAGLE-3 always trains on conversation shards; an EAGLE-1/2 head on them when --data_dir names
+    # some, and otherwise on the one-turn Magpie answers it writes into its work dir.
+    args.on_shards = args.arch == "eagle3" or args.data_dir is not None
     args.data_dir = args.data_dir or args.work_dir / "conversations"
     args.cache_dir = args.cache_dir or args.work_dir / "features"
     if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
@@ -1228,11 +1260,12 @@ def parse_args(argv=None):
     preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     preset = Preset(**{**asdict(preset), **overrides})
-    if args.first_shard and args.arch != "eagle3":
-        p.error("--first_shard is for --arch eagle3 (an EAGLE-1/2 run trains on all the data it generates)")
+    if args.first_shard and not args.on_shards:
+        p.error("--first_shard is for conversation shards (--arch eagle3, or --data_dir): an EAGLE-1/2 run "
+                "without them trains on all the answers it writes")
     if not 0 <= args.first_shard < preset.n_shards:
         p.error(f"--first_shard must be in [0, {preset.n_shards - 1}] (below --n_shards), got {args.first_shard}")
-    # A resumed EAGLE-3 run keeps the shards it started on; asked for other shards, it would train
+    # A resumed run on shards keeps the ones it started on; asked for other shards, it would train
     # the old list without a word (and a finished run would do nothing), so say what to do instead.
     started = resumed_shards(args)
     asked = None if args.n_shards is None else shard_names(args.first_shard, args.n_shards)
@@ -1254,39 +1287,47 @@ def resumed_shards(args):
     return None
 
 
-def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
-    """Stages 1-2 of EAGLE-3: shards up to n_shards, their features, the training records, the draft
-    vocabulary (chosen from the data, or `vocab`: the one of the head training starts from,
-    widened by the most frequent tokens it lacks when the preset's size is larger) and
-    what the training record says about them. The shards a training state was started on are kept
-    when resuming (a later session may have written more)."""
-    layer_ids = eagle3_layer_ids(target.config.n_layer)
+def conversation_data(target, tokenizer, preset: Preset, args, layer_ids, keep_top: int):
+    """Stages 1-2 over the kept conversation shards, for either kind of head: shards up to n_shards
+    (the missing ones written first), their features (layer_ids: EAGLE-3's fused layers, or None for
+    the final hidden state of EAGLE-1/2), the training records and what the training record says
+    about them. The shards a training state was started on are kept when resuming (a later session
+    may have written more)."""
     make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
     shards = resumed_shards(args)
     if shards is None:
         shards = shard_names(args.first_shard, preset.n_shards)
-    data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, preset.keep_top, shards)
+    data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, keep_top, shards)
     if not data["train"] or not data["val"]:
         raise SystemExit(f"no {'training' if not data['train'] else 'validation'} conversations in {args.data_dir}: "
                          f"raise --n_shards or --val_fraction")
+    train = data["train"]
+    info = {"data_dir": str(args.data_dir), "shards": shards, "train_conversations": len(train),
+            "val_conversations": len(data["val"]), "train_tokens": sum(len(r["ids"]) for r in train),
+            "train_answer_tokens": int(sum(np.asarray(r["learn"]).sum() for r in train)),
+            "two_turn_conversations": sum(r["turns"] == 2 for r in train)}
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    (args.work_dir / "train_data.json").write_text(json.dumps({"shards": shards}))
+    return data, info
+
+
+def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
+    """Stages 1-2 of EAGLE-3: conversation_data over the shards, and the draft vocabulary (chosen
+    from the data, or `vocab`: the one of the head training starts from, widened by the most
+    frequent tokens it lacks when the preset's size is larger)."""
+    layer_ids = eagle3_layer_ids(target.config.n_layer)
+    data, info = conversation_data(target, tokenizer, preset, args, layer_ids, preset.keep_top)
     V = target.config.vocab_size
     counts = token_counts(data["train"], V)
     sizes = sorted(s for s in set(args.vocab_report) | {preset.draft_vocab_size} if s <= V)
     coverage = {str(s): vocab_coverage(data["val"], choose_vocab(counts, s), V) for s in sizes}
     print("draft vocabulary coverage of held-out target argmax tokens: "
           + ", ".join(f"{k}: {v:.2%}" for k, v in coverage.items()), file=sys.stderr)
-    train = data["train"]
-    info = {"data_dir": str(args.data_dir), "shards": shards, "train_conversations": len(train),
-            "val_conversations": len(data["val"]), "train_tokens": sum(len(r["ids"]) for r in train),
-            "train_answer_tokens": int(sum(np.asarray(r["learn"]).sum() for r in train)),
-            "two_turn_conversations": sum(r["turns"] == 2 for r in train),
-            "draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
-            "coverage_of_val_argmax": coverage}
+    info.update({"draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
+                 "coverage_of_val_argmax": coverage})
     if vocab is not None:
         info["vocab_from"] = str(args.init_from)
         info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(data["val"], vocab, V)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    (args.work_dir / "train_data.json").write_text(json.dumps({"shards": shards}))
     if vocab is None or preset.draft_vocab_size > len(vocab):
         vocab = choose_vocab(counts, preset.draft_vocab_size, keep=vocab)
     return data, vocab, info
@@ -1302,10 +1343,10 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     eagle3 = args.arch == "eagle3"
     head_weight = target.output.weight.detach()  # (the warm start reads it; packing makes it opaque)
-    if eagle3:
-        # Eager bf16 on a CPU: weights in oneDNN's layout once, instead of reordered at every call
-        # (a no-op elsewhere). EAGLE-3 training needs no gradient through the target's linears.
-        pack_linears(target)
+    # Eager bf16 on a CPU: weights in oneDNN's layout once, instead of reordered at every call (a
+    # no-op elsewhere). Training needs no gradient through the target's layers; an EAGLE-1/2 head's
+    # loss runs through the target's LM head, which stays a plain linear.
+    pack_linears(target if eagle3 else target.layers)
 
     init, init_record = None, None
     if eagle3 and args.draft_vocab_size is not None and not 1 <= args.draft_vocab_size <= target.config.vocab_size:
@@ -1329,15 +1370,18 @@ def main(argv=None):
             before = json.loads((args.init_from / "training.json").read_text())
             init_record.update({k: before.get(k) for k in ("command", "steps", "shipped_step", "init_from")})
             init_record["shards"] = before.get("data", {}).get("shards")
-    if eagle3:
+    if args.on_shards:
         if args.data_only:
             make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
             return
-        init_vocab = None if init is None else init.vocab.cpu()
-        data, vocab, info_data = eagle3_data(target, tokenizer, preset, args, init_vocab)
-        if init is not None and len(vocab) > init.draft_vocab_size:
-            init_record["widened_from_vocab_size"] = init.draft_vocab_size
-            init = widen_vocab(init, vocab, head_weight)
+        if eagle3:
+            init_vocab = None if init is None else init.vocab.cpu()
+            data, vocab, info_data = eagle3_data(target, tokenizer, preset, args, init_vocab)
+            if init is not None and len(vocab) > init.draft_vocab_size:
+                init_record["widened_from_vocab_size"] = init.draft_vocab_size
+                init = widen_vocab(init, vocab, head_weight)
+        else:  # an EAGLE-1/2 head on the conversations kept for EAGLE-3: the final hidden state only
+            (data, info_data), vocab = conversation_data(target, tokenizer, preset, args, None, 0), None
         tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     else:
         prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
@@ -1348,7 +1392,7 @@ def main(argv=None):
             return
         data, vocab = load_shards(data_dir), None
         info_data = {"train_conversations": len(data["train"]), "val_conversations": len(data["val"]),
-                     "train_tokens": sum(len(ids) for ids, _, _ in data["train"]),
+                     "train_tokens": sum(len(r["ids"]) for r in data["train"]),
                      "prompt_samples": prompts.get("attempts")}
         tau_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}])
                        for text in prompts["val"][:args.tau_prompts]]

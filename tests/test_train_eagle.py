@@ -130,7 +130,7 @@ def synthetic_data(target, n_conv, seed):
                for _ in range(n_conv)]
     seqs = te.generate_batch(target, prompts, 40, 0.0, None, set())
     feats = te.target_features(target, seqs)
-    return [(torch.tensor(s), f["features"], len(p)) for s, f, p in zip(seqs, feats, prompts)]
+    return [te.answer_record(torch.tensor(s), f["features"], len(p)) for s, f, p in zip(seqs, feats, prompts)]
 
 
 def test_training_lowers_the_loss_and_raises_tau():
@@ -165,8 +165,8 @@ def test_training_lowers_the_loss_and_raises_tau():
         d.max_seq_length = -1  # training swapped its KV cache out: the Speculator makes a new one
         spec = speculative.Speculator(target, d.eval(), tree_top_k=4, tree_depth=4, tree_tokens=16)
         rounds = []
-        for ids, _, plen in held_out:
-            rounds += speculative.speculative_generate(spec, ids[None, :plen], 30)[1][0]
+        for r in held_out:
+            rounds += speculative.speculative_generate(spec, torch.tensor(r["prompt"])[None], 30)[1][0]
         return sum(rounds) / len(rounds)
 
     trained_tau, random_tau = tau(draft), tau(untrained)
@@ -261,6 +261,53 @@ def test_eagle3_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, mo
     ids, _ = speculative.speculative_generate(spec, prompt, 24)
     target.setup_caches(1, 64)
     assert ids == gen.generate(target, prompt, 24)
+
+
+def test_eagle2_head_on_the_kept_conversation_shards(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """--arch eagle --data_dir: an EAGLE-1/2 head trains on the conversation shards kept for EAGLE-3
+    (two-turn ones included), learning every answer token of each turn and nothing else. Its
+    final-hidden-state features are cached beside an EAGLE-3 run's in a shared cache dir without
+    replacing them, and the head decodes exactly as vanilla."""
+    from draft import EagleDraft
+
+    model_path = tiny_eagle3_checkpoint(tiny_hf_checkpoint)
+    monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()))
+    data_dir, cache = tmp_path / "convs", tmp_path / "features"
+    te.main(eagle3_argv(model_path, tmp_path / "head3", "--tau_prompts", "0", "--epochs", "1", "--data_dir",
+                        str(data_dir), "--cache_dir", str(cache)))
+    eagle3_feats = np.load(cache / "conv_00000.features.npy")
+    out = tmp_path / "head2"
+    te.main(["--checkpoint_path", str(model_path), "--preset", "tiny", "--out_dir", str(out), "--dtype", "float32",
+             "--data_dir", str(data_dir), "--cache_dir", str(cache), "--n_shards", "3", "--tau_prompts", "1"])
+    info = json.loads((out / "training.json").read_text())
+    assert info["data"]["shards"] == ["conv_00000.npz", "conv_00001.npz", "conv_00002.npz"]
+    assert info["data"]["two_turn_conversations"] > 0 and len(info["history"]) == 2
+    assert "val_tau" in info["history"][-1]
+    assert not (out.with_name("head2.work") / "data").exists()  # no Magpie answers were written
+    target = checkpoint.load_model(model_path, "cpu", torch.float32)
+    final = np.load(cache / "conv_00000.final.features.npy")
+    assert final.shape == (eagle3_feats.shape[0], target.config.dim)
+    assert np.array_equal(np.load(cache / "conv_00000.features.npy"), eagle3_feats)  # EAGLE-3's cache kept
+
+    # The batch a training step sees: the shard's features and its answers' tokens, per turn.
+    data = te.load_conversations(target, data_dir, cache, None, 0, ["conv_00000.npz"])
+    record = next(r for r in data["train"] + data["val"] if r["turns"] == 2)
+    ids, feats, learn = te.collate([record], "cpu")
+    conv = next(c for c in te.load_conversation_shard(data_dir / "conv_00000.npz")
+                if c["ids"] == np.asarray(record["ids"]).tolist())
+    assert learn[0, :-1].tolist() == conv["assistant"][1:] and not learn[0, -1]
+    with torch.no_grad():
+        want = te.target_features(target, [conv["ids"]])[0]["features"].float()
+    # (the cache ran several conversations per forward: float16 storage of a float32 sum in another order)
+    torch.testing.assert_close(feats[0], want, rtol=1e-2, atol=1e-2)
+
+    head = load_draft(out, target.config)
+    assert isinstance(head, EagleDraft)
+    spec = speculative.Speculator(target, head, tree_top_k=4, tree_depth=4, tree_tokens=16)
+    prompt = torch.tensor([conv["ids"][:6]])
+    out_ids, _ = speculative.speculative_generate(spec, prompt, 24)
+    target.setup_caches(1, 64)
+    assert out_ids == gen.generate(target, prompt, 24)
 
 
 def test_eagle3_resume_continues_bit_for_bit(tiny_hf_checkpoint, tmp_path, monkeypatch):
@@ -592,4 +639,4 @@ def test_resume_refuses_another_shard_count(tmp_path, capsys):
     with pytest.raises(SystemExit):
         te.parse_args(["--arch", "eagle", "--checkpoint_path", str(ckpt), "--out_dir", str(tmp_path / "e2"),
                        "--first_shard", "3"])
-    assert "--first_shard is for --arch eagle3" in capsys.readouterr().err
+    assert "--first_shard is for conversation shards" in capsys.readouterr().err
