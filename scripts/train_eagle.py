@@ -1218,7 +1218,8 @@ def parse_args(argv=None):
                    help="shards: train on FIRST_SHARD .. n_shards-1 only (with --init_from: a short "
                         "continuation on the newest shards, with some older ones as replay, when a whole "
                         "epoch does not fit the time)")
-    p.add_argument("--data_only", action="store_true", help="write the data (eagle3: the shards), then stop")
+    p.add_argument("--data_only", action="store_true",
+                   help="write the data (the conversation shards with --arch eagle3 or --data_dir), then stop")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="target for data generation, and training autocast")
