@@ -792,20 +792,21 @@ def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: rando
     return batches
 
 
+def pad_rows(records, key: str, dtype, fill=0) -> torch.Tensor:
+    """records[i][key] (numpy arrays or memory-mapped slices, [n_i, ...]) right-padded with fill
+    into one tensor [B, max n_i, ...] of the numpy dtype: a copy out of the memory maps."""
+    rows = [r[key] for r in records]
+    out = np.full((len(rows), max(len(x) for x in rows), *rows[0].shape[1:]), fill, dtype=dtype)
+    for b, x in enumerate(rows):
+        out[b, :len(x)] = x
+    return torch.from_numpy(out)
+
+
 def collate(records, device):
-    """EAGLE-1/2 batch: ids, features and learn (positions t whose next token is an answer token),
-    right-padded. Features may be memory-mapped float16 arrays (load_conversations) or tensors."""
-    n = max(len(r["ids"]) for r in records)
-    B, dim = len(records), records[0]["features"].shape[-1]
-    ids = torch.zeros(B, n, dtype=torch.long)
-    feats = torch.zeros(B, n, dim)
-    learn = torch.zeros(B, n, dtype=torch.bool)
-    for b, r in enumerate(records):
-        m = len(r["ids"])
-        ids[b, :m] = torch.from_numpy(np.array(r["ids"], dtype=np.int64))  # (copies out of the memory maps)
-        feats[b, :m] = torch.from_numpy(np.array(r["features"], dtype=np.float32))
-        learn[b, :m] = torch.from_numpy(np.array(r["learn"], dtype=bool))
-    return ids.to(device), feats.to(device), learn.to(device)
+    """EAGLE-1/2 batch, right-padded: ids [B, n], features [B, n, F] and learn [B, n] (positions t
+    whose next token is an answer token)."""
+    return tuple(pad_rows(records, key, dtype).to(device)
+                 for key, dtype in (("ids", np.int64), ("features", np.float32), ("learn", bool)))
 
 
 def draft_losses(draft, embed, head, ids, feats, learn, preset: Preset, noise: bool):
@@ -884,20 +885,10 @@ def collate3(items, device, draft_index: torch.Tensor):
     vocabulary; answer [B, n]: positions whose next token is an answer token; learn [B, n]: those
     of them the draft can say (the target's argmax lies in its vocabulary; the reference masks
     the loss so). Items hold numpy arrays or memory-mapped slices (load_conversations)."""
-    n = max(len(r["ids"]) for r in items)
-    B, F_, K = len(items), items[0]["features"].shape[-1], items[0]["top_ids"].shape[-1]
-    ids = torch.zeros(B, n, dtype=torch.long)
-    feats = torch.zeros(B, n, F_)
-    top_idx = torch.full((B, n, K), -1, dtype=torch.long)
-    top_p = torch.zeros(B, n, K)
-    answer = torch.zeros(B, n, dtype=torch.bool)
-    for b, r in enumerate(items):
-        m = len(r["ids"])
-        ids[b, :m] = torch.from_numpy(np.array(r["ids"], dtype=np.int64))  # (copies out of the memory maps)
-        feats[b, :m] = torch.from_numpy(np.array(r["features"], dtype=np.float32))
-        top_idx[b, :m] = draft_index[torch.from_numpy(np.array(r["top_ids"], dtype=np.int64))]
-        top_p[b, :m] = torch.from_numpy(np.array(r["top_probs"], dtype=np.float32))
-        answer[b, :m] = torch.from_numpy(np.array(r["learn"], dtype=bool))
+    ids, feats, answer = collate(items, "cpu")
+    real = torch.arange(ids.size(1)) < torch.tensor([len(r["ids"]) for r in items])[:, None]  # not padding
+    top_idx = torch.where(real[..., None], draft_index[pad_rows(items, "top_ids", np.int64)], -1)
+    top_p = pad_rows(items, "top_probs", np.float32)
     top_p = top_p * (top_idx >= 0)
     learn = answer & (top_idx[..., 0] >= 0)
     top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-12)
