@@ -736,8 +736,10 @@ def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, 
                                            stop_ids=stop_ids, cuda_graphs=cuda_graphs, compiled_cpu=compiled_cpu,
                                            **sampling)
         how = f"measured for {time.perf_counter() - t:.1f} s"
-        if cache is not None:  # written under a name of this process's, renamed when whole: another
-            cache.parent.mkdir(parents=True, exist_ok=True)  # process measuring at once never reads half a file
+        if cache is not None:
+            # Written under a name of this process's and renamed when whole: another process
+            # measuring at the same time never reads half a file.
+            cache.parent.mkdir(parents=True, exist_ok=True)
             partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
             torch.save({"costs": costs._asdict(), "acceptance": acceptance}, partial)
             os.replace(partial, cache)
