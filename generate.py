@@ -222,8 +222,9 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     float32 not timed; int8 files there keep the kernel), on CUDA (an H100, SmolLM2 compiled in
     bf16: a step cost 67 %, 1.82 against 1.09 ms, a round ~20 %; an H200, split-K and attention
     chunks: a step 69 %), int4 files (Zen 5, group 32: a step +42 %, a round +20 %, their kernel as
-    a custom op; a Zen 4 through Inductor's int4 template, three runs: a step +0.9 to +9.5 %, a
-    round +7.9 to +11.6 %, median +11.3 %), float16 (a Zen 4, 30 turns alternating, one run: a step
+    a custom op called back through Python; a Zen 4 through Inductor's int4 template, three runs: a
+    step +0.9 to +9.5 %, a round +7.9 to +11.6 %, median +11.3 %; there through the kernel called
+    directly, one run: +11.1 %, +14.4 %), float16 (a Zen 4, 30 turns alternating, one run: a step
     +3.4 %, a round +10.5 %, over the 10 %). Eager runs were not timed against the 10 %: off until
     they are."""
     quantized = mode_from_path(checkpoint_path)[0]

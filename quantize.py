@@ -109,9 +109,11 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # fma) and adds their products to each output's float32 accumulator k after k: rows independent of
 # the row count again (with AMX, another micro-kernel from 5 rows on). A layer of another shape
 # has no template, and with "CPP" only it would not compile at all, so it keeps torch's int4 kernel
-# as an opaque op (int4_rows_cpu); so does every int4 layer on a CPU without AVX-512 or with AMX.
-# (A Zen 4, group 32, three runs: the mode's step +0.9 to +9.5 %, a round +7.9 to +11.6 %; through
-# the kernel, a Zen 5: +42 % and +20 %.)
+# (int4_rows_cpu, which Inductor compiles to a direct call of the kernel:
+# lower_int4_rows_to_the_kernel); so does every int4 layer on a CPU without AVX-512 or with AMX.
+# (A Zen 4, group 32: the template, three runs: the mode's step +0.9 to +9.5 %, a round +7.9 to
+# +11.6 %; the kernel called directly, one run: +11.1 % and +14.4 %; the kernel called back
+# through Python, as before 2026-11-29: +44 % and +31 %.)
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
 INDUCTOR_INT4_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() == "AVX512"
@@ -138,8 +140,7 @@ def lower_int8_rows_to_the_kernel():
     576 x 576 int8 layer, one bf16 row, in a compiled graph: 18.2 us a call through the custom op,
     9.5 direct, 7.2 eager; SmolLM2 has 151 such layers a step). The bits are the kernel's either way.
     Registered at the first compile of a batch-invariant CPU graph (speculative.cpu_backend), not at
-    import: importing Inductor costs every script a second. (int4_rows_cpu stays a custom op: torch
-    2.13's compiled code has no direct call for its kernel.)"""
+    import: importing Inductor costs every script a second. (int4_rows_cpu: the next function.)"""
     from torch._inductor.lowering import fallback_handler, register_lowering
     kernel = fallback_handler(torch.ops.aten._weight_int8pack_mm.default, add_to_fallback_set=False)
     register_lowering(torch.ops.eagle_gpt_fast.int8_rows, type_promotion_kind=None)(kernel)
@@ -155,6 +156,23 @@ def int4_rows_cpu(x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: T
 @int4_rows_cpu.register_fake
 def _(x, weight, groupsize, scales_and_zeros):
     return x.new_empty(x.size(0), scales_and_zeros.size(1))
+
+
+@functools.cache
+def lower_int4_rows_to_the_kernel():
+    """Inductor: compile int4_rows_cpu into a direct call of torch's int4 kernel from the compiled
+    code, as lower_int8_rows_to_the_kernel does for int8. A fallback of the op itself would call
+    back through Python (torch 2.13's C shim has no entry for _weight_int4pack_mm_for_cpu); Inductor's
+    own lowering of that op with ATen as its only backend emits its extern choice instead, a call of
+    aoti_torch_cpu__weight_int4pack_mm_cpu_tensor: the same kernel, so the same bits."""
+    from torch._inductor import config
+    from torch._inductor.lowering import lowerings, register_lowering
+    aten_lowering = lowerings[torch.ops.aten._weight_int4pack_mm_for_cpu.default]
+
+    def kernel(x, weight, groupsize, scales_and_zeros):
+        with config.patch(max_autotune_gemm_backends="ATEN"):
+            return aten_lowering(x, weight, groupsize, scales_and_zeros)
+    register_lowering(torch.ops.eagle_gpt_fast.int4_rows_cpu, type_promotion_kind=None)(kernel)
 
 
 class WeightOnlyInt8Linear(nn.Module):
@@ -240,8 +258,8 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
     use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows).
     Compiled, int8 layers go to Inductor's C++ template (on a CPU with AMX or without AVX2 to the
     kernel as an opaque op, int8_rows: INDUCTOR_INT8_ROWS_INVARIANT), int4 layers to Inductor's int4
-    template where it takes them on an AVX-512 CPU without AMX, else to the kernel as an opaque op
-    (int4_rows_cpu; WeightOnlyInt4Linear.template_invariant)."""
+    template where it takes them on an AVX-512 CPU without AMX, else to the kernel, called directly
+    from the compiled code (int4_rows_cpu; WeightOnlyInt4Linear.template_invariant)."""
     for m in model.modules():
         if isinstance(m, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
             m.row_invariant = on
@@ -440,7 +458,7 @@ class WeightOnlyInt4Linear(nn.Module):
         else:
             matmul = self._matmul
             if self.row_invariant and x.is_cpu and torch.compiler.is_compiling() and not self.template_invariant():
-                matmul = int4_rows_cpu  # the kernel itself, not Inductor's lowering of it (int8_rows)
+                matmul = int4_rows_cpu  # the kernel itself, never the template (lower_int4_rows_to_the_kernel)
             y = matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
         y = y.to(x.dtype).reshape(*shape, self.out_features)
         return y if self.bias is None else y + self.bias

@@ -30,7 +30,7 @@ from torch import Tensor
 import tp
 from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation
 from model import Transformer, TreeMask, copy_slots, flash_rows
-from quantize import lower_int8_rows_to_the_kernel, prefill_rows
+from quantize import lower_int4_rows_to_the_kernel, lower_int8_rows_to_the_kernel, prefill_rows
 from sampling import cut_at_stop, is_stop, logits_to_probs, sample, sample_from
 from tree import Tree, graft_chain, tree_structure
 
@@ -879,6 +879,9 @@ CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 #   emulate_precision_casts  a fused kernel otherwise keeps a bf16 intermediate in float32, and
 #                          which ops fuse depends on the shapes
 CPU_INVARIANT = {"max_autotune_gemm_backends": "CPP", "emulate_precision_casts": True}
+# The version of the lowerings a batch-invariant CPU graph is compiled with
+# (quantize.lower_int8_rows_to_the_kernel, lower_int4_rows_to_the_kernel): bump it when they change.
+INVARIANT_LOWERINGS = 2
 # Autotuning prints each GEMM's candidates and timings to stderr (~50 lines on a first run of the
 # demo); a user of generate.py wants the answer. Set where this torch has them.
 CPU_QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
@@ -949,6 +952,11 @@ def cpu_backend(*modules: nn.Module):
                                f"torch {torch.__version__} lacks: upgrade torch (2.13 has them) or run without --compile")
         settings.update(CPU_INVARIANT)
         lower_int8_rows_to_the_kernel()  # only a batch-invariant graph calls int8_rows
+        lower_int4_rows_to_the_kernel()  # ... and int4_rows_cpu
+        # Inductor's cache key covers the graph and the settings, not these lowerings: a graph
+        # cached before they changed would load with the old code (int4_rows_cpu called back
+        # through Python until 2026-11-29), so the version of the lowerings keys the cache too
+        tag += f"-lowerings-{INVARIANT_LOWERINGS}"
 
     def backend(gm, example_inputs):
         with torch._inductor.config.patch(settings), torch.compiler.config.patch(cache_key_tag=tag), \
