@@ -284,57 +284,41 @@ def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(mo
         assert ("micro_gemm" in code) == template
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 @torch.no_grad()
-def test_compiled_int8_rows_is_a_direct_kernel_call(monkeypatch):
-    """In a batch-invariant CPU graph, quantize.int8_rows compiles into a call of torch's int8
-    kernel from the compiled code (quantize.lower_int8_rows_to_the_kernel), not a call through the
-    dispatcher back into the custom op's Python, which cost ~9 us a layer more; the result is the
-    kernel's, bit for bit."""
+def test_compiled_row_ops_are_direct_kernel_calls(monkeypatch, mode):
+    """In a batch-invariant CPU graph, quantize.int8_rows and int4_rows_cpu compile into calls of
+    torch's int8 and int4 kernels from the compiled code (quantize.lower_int8_rows_to_the_kernel,
+    lower_int4_rows_to_the_kernel: for int4 Inductor's extern call through its C shim), not calls
+    through the dispatcher back into the custom op's Python, which cost ~9 us an int8 layer more and
+    made the mode's int4 step cost 44 % rather than 11 % (a Zen 4, SmolLM2 group 32); the result is
+    the kernel's, bit for bit."""
     from torch._inductor.utils import run_and_get_code
     # the code generated now, not a cached graph (Inductor's cache key does not see lowerings)
     monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "fx_graph_cache": False})
     torch._dynamo.reset()
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    weight, scales = quantize.quantize_int8(torch.randn(96, 64))
-    scales = scales.to(torch.bfloat16)
-    holder = nn.Module()
-    holder.invariant_window = 32  # compile in the mode's settings
-    compiled = speculative.compile_function(lambda x: quantize.int8_rows(x, weight, scales) * 2, "cpu", (holder,))
-    try:
-        out, code = run_and_get_code(compiled, x)
-        code = "".join(code)
-        assert torch.equal(out, torch.ops.aten._weight_int8pack_mm(x, weight, scales) * 2)
-        assert "_weight_int8pack_mm(" in code
-        assert "eagle_gpt_fast::int8_rows" not in code  # no call through the dispatcher
-    finally:
-        torch._dynamo.reset()
-
-
-@torch.no_grad()
-def test_compiled_int4_rows_cpu_is_a_direct_kernel_call(monkeypatch):
-    """In a batch-invariant CPU graph, quantize.int4_rows_cpu compiles into a call of torch's int4
-    kernel from the compiled code (quantize.lower_int4_rows_to_the_kernel: Inductor's extern call
-    of the kernel through its C shim), not a call through the dispatcher back into the custom op's
-    Python, which made the mode's int4 step cost 44 % rather than 11 % (a Zen 4, SmolLM2 group 32);
-    the result is the kernel's, bit for bit."""
-    from torch._inductor.utils import run_and_get_code
-    monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "fx_graph_cache": False})
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = WeightOnlyInt4Linear.from_linear(nn.Linear(64, 128, bias=False), 32)
-    layer.pack()
-    weight, scales_and_zeros = layer.weight, layer.scales_and_zeros.to(torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
+    if mode == "int8":
+        weight, scales = quantize.quantize_int8(torch.randn(96, 64))
+        args = (weight, scales.to(torch.bfloat16))
+        op, kernel, kernel_call = quantize.int8_rows, torch.ops.aten._weight_int8pack_mm, "_weight_int8pack_mm("
+        op_call = "eagle_gpt_fast::int8_rows"
+    else:
+        layer = WeightOnlyInt4Linear.from_linear(nn.Linear(64, 128, bias=False), 32)
+        layer.pack()
+        args = (layer.weight, 32, layer.scales_and_zeros.to(torch.bfloat16))
+        op, kernel = quantize.int4_rows_cpu, torch.ops.aten._weight_int4pack_mm_for_cpu
+        kernel_call, op_call = "_weight_int4pack_mm_cpu_tensor(", "eagle_gpt_fast::int4_rows_cpu"
     holder = nn.Module()
     holder.invariant_window = 32  # compile in the mode's settings
-    compiled = speculative.compile_function(lambda x: quantize.int4_rows_cpu(x, weight, 32, scales_and_zeros) * 2,
-                                            "cpu", (holder,))
+    compiled = speculative.compile_function(lambda x: op(x, *args) * 2, "cpu", (holder,))
     try:
         out, code = run_and_get_code(compiled, x)
         code = "".join(code)
-        assert torch.equal(out, torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, scales_and_zeros) * 2)
-        assert "_weight_int4pack_mm_cpu_tensor(" in code
-        assert "eagle_gpt_fast::int4_rows_cpu" not in code  # no call through the dispatcher
+        assert torch.equal(out, kernel(x, *args) * 2)
+        assert kernel_call in code
+        assert op_call not in code  # no call through the dispatcher
     finally:
         torch._dynamo.reset()
 
