@@ -39,10 +39,12 @@ Three stages, each cached and resumed when rerun:
                 every --save_every steps and after every epoch: --resume continues bit for bit.
                 Validation after every epoch (and every --eval_every steps): soft CE and top-1
                 accuracy per unrolled step (tokens outside the draft vocabulary count as misses),
-                and tau of real greedy tree decoding on held-out prompts. An EAGLE-3 head is written
-                to --out_dir whenever its validation accuracy (over the unrolled steps, weighted as
-                the loss weights them) beats the best so far and that of the head already there,
-                measured on the same conversations.
+                and tau of real greedy tree decoding on held-out prompts. The head is written to
+                --out_dir whenever its validation accuracy (over the unrolled steps, weighted as
+                the loss weights them) beats the best so far and those of the heads it must beat,
+                measured on the same conversations before the first step: the head already in
+                --out_dir (--force) and the head it starts from (--init_from). A run that beats
+                neither leaves --out_dir as it was.
 The head is written with checkpoint.save_draft (bf16): its own weights only, not the target's
 embedding or LM head.
 
@@ -992,6 +994,19 @@ def validate_head(head, target, val, preset: Preset, dtype: str):
     return validate3(head, target, val, preset, target.norm.weight.device, dtype, index)[:, 1].tolist()
 
 
+def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
+    """A trained head (either architecture) on this run's held-out conversations, as a validation
+    record has it: top-1 accuracy per unrolled step ("val_acc") and tau on tau_prompts ("val_tau",
+    None without prompts). What a new head must beat to be written out."""
+    if isinstance(head, Eagle3Draft):
+        acc = validate_head(head, target, val, preset, dtype)
+    else:
+        setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
+        acc = validate(head, target, val, preset, target.norm.weight.device, dtype)[:, 2].tolist()
+    tau = measure_tau(target, head, stop_ids, tau_prompts, preset.tau_max_tokens, tree_depth=preset.tau_depth)
+    return {"val_tau": tau, "val_acc": acc}
+
+
 def val_score(val_acc, decay: float) -> float:
     """What decides which head is shipped: the top-1 accuracy of each unrolled step on every held-out
     answer token, weighted as the loss weights the steps (decay ** k). Not validation tau: tau on a
@@ -1396,15 +1411,25 @@ def main(argv=None):
     for layer in target.layers:
         layer.attention.kv_cache = None
 
+    # What a new head must beat to be written to out_dir, on the same conversations and prompts:
+    # the head there now (--force), and the head training starts from (--init_from), so that a
+    # continuation that made it worse is not shipped. The better of the two is the bar; a resumed
+    # run kept it in its state.
     baseline = None
-    if eagle3 and (args.out_dir / "draft.safetensors").exists() and not (args.work_dir / "train_state.pt").is_file():
-        # The head already there is what a new one must beat, on the same conversations and prompts.
-        shipped = load_draft(args.out_dir, target.config, args.device, torch.float32)
-        baseline = {"val_tau": measure_tau(target, shipped, tokenizer.stop_ids, tau_prompts, preset.tau_max_tokens,
-                                           tree_depth=preset.tau_depth),
-                    "val_acc": validate_head(shipped, target, data["val"], preset, args.dtype)}
-        print(f"the head in {args.out_dir}: validation tau {baseline['val_tau']}, accuracy per unrolled step "
-              f"{[round(a, 4) for a in baseline['val_acc']]}", file=sys.stderr)
+    if not (args.work_dir / "train_state.pt").is_file():
+        heads = {}
+        if (args.out_dir / "draft.safetensors").exists():
+            heads[args.out_dir.resolve()] = load_draft(args.out_dir, target.config, args.device, torch.float32)
+        if init is not None:
+            heads[args.init_from.resolve()] = init  # (the same directory as out_dir: measured once)
+        for path, head in heads.items():
+            scores = {"dir": str(path), **head_scores(head, target, data["val"], tau_prompts, tokenizer.stop_ids,
+                                                      preset, args.dtype)}
+            print(f"the head in {path}: validation tau {scores['val_tau']}, accuracy per unrolled step "
+                  f"{[round(a, 4) for a in scores['val_acc']]}", file=sys.stderr)
+            if baseline is None or (val_score(scores["val_acc"], preset.unroll_decay) >
+                                    val_score(baseline["val_acc"], preset.unroll_decay)):
+                baseline = scores
 
     def record(st):
         curve = [sum(st["losses"][i:i + 25]) / len(st["losses"][i:i + 25]) for i in range(0, len(st["losses"]), 25)]
@@ -1419,7 +1444,7 @@ def main(argv=None):
 
     def on_eval(draft, st, ship):
         (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
-        if eagle3 and ship:
+        if ship:
             save_draft(draft, args.out_dir, dtype=torch.bfloat16)
             (args.out_dir / "training.json").write_text(json.dumps(record(st), indent=1))
             last = st["history"][-1]
@@ -1429,12 +1454,17 @@ def main(argv=None):
     draft, history, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
                                baseline, head_weight, init)
     (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
-    if not eagle3:
-        save_draft(draft, args.out_dir, dtype=torch.bfloat16)
-    if not eagle3 or st["shipped_step"] is not None:
+    if st["shipped_step"] is not None:
         (args.out_dir / "training.json").write_text(json.dumps(record(st), indent=1))
-    print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps, head of step {st['shipped_step']} in "
-          f"{args.out_dir}", file=sys.stderr)
+        print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps, head of step {st['shipped_step']} in "
+              f"{args.out_dir}", file=sys.stderr)
+    else:
+        bar = st["baseline"]
+        why = "no validation ran" if bar is None else (
+            f"no head beat the head in {bar.get('dir', args.out_dir)} (validation score "
+            f"{val_score(bar['val_acc'], preset.unroll_decay):.4f})")
+        print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps; {why}: {args.out_dir} left as it was",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

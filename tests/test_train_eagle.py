@@ -309,6 +309,18 @@ def test_eagle2_head_on_the_kept_conversation_shards(tiny_hf_checkpoint, tmp_pat
     target.setup_caches(1, 64)
     assert out_ids == gen.generate(target, prompt, 24)
 
+    # --init_from: the head it starts from is measured first, on the same conversations and prompts;
+    # unchanged (a zero learning rate) it ties with itself, and a tie writes nothing.
+    again = tmp_path / "again"
+    te.main(["--checkpoint_path", str(model_path), "--preset", "tiny", "--out_dir", str(again), "--dtype", "float32",
+             "--data_dir", str(data_dir), "--cache_dir", str(cache), "--n_shards", "3", "--tau_prompts", "1",
+             "--init_from", str(out), "--lr", "0"])
+    info = json.loads((tmp_path / "again.work" / "training.json").read_text())
+    assert info["baseline"]["dir"] == str(out.resolve()) and info["init_from"]["dir"] == str(out)
+    assert info["baseline"]["val_acc"] == info["history"][-1]["val_acc"]
+    assert info["baseline"]["val_tau"] == info["history"][-1]["val_tau"]
+    assert info["shipped_step"] is None and not again.exists()
+
 
 def test_eagle3_resume_continues_bit_for_bit(tiny_hf_checkpoint, tmp_path, monkeypatch):
     """A run stopped after a few steps (--max_steps) and continued with --resume computes the same
