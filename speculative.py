@@ -877,7 +877,12 @@ CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 #                          for others, which round differently (and the pick follows timing noise);
 #                          the template alone gave equal rows for 1 to 64 rows
 #   emulate_precision_casts  a fused kernel otherwise keeps a bf16 intermediate in float32, and
-#                          which ops fuse depends on the shapes
+#                          which ops fuse depends on the shapes. Seen on a Zen 4 (torch 2.13,
+#                          2026-11-29): the 16-row verify's GEMM templates take the residual add
+#                          into their epilogue (adding the unrounded product) where the one-row
+#                          step's do not, and Inductor inlines a chain of residual adds into the
+#                          kernels that read it, stored at adds that differ between the graphs
+#                          from four layers on; every row of SmolLM2 then came out apart
 CPU_INVARIANT = {"max_autotune_gemm_backends": "CPP", "emulate_precision_casts": True}
 # The version of the lowerings a batch-invariant CPU graph is compiled with
 # (quantize.lower_int8_rows_to_the_kernel, lower_int4_rows_to_the_kernel): bump it when they change.
