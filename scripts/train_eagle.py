@@ -1417,12 +1417,13 @@ def main(argv=None):
     # run kept it in its state.
     baseline = None
     if not (args.work_dir / "train_state.pt").is_file():
-        heads = {}
+        heads = {}  # resolved path -> (the path as given, the head)
         if (args.out_dir / "draft.safetensors").exists():
-            heads[args.out_dir.resolve()] = load_draft(args.out_dir, target.config, args.device, torch.float32)
+            heads[args.out_dir.resolve()] = args.out_dir, load_draft(args.out_dir, target.config, args.device,
+                                                                     torch.float32)
         if init is not None:
-            heads[args.init_from.resolve()] = init  # (the same directory as out_dir: measured once)
-        for path, head in heads.items():
+            heads[args.init_from.resolve()] = args.init_from, init  # (the same directory as out_dir: measured once)
+        for path, head in heads.values():
             scores = {"dir": str(path), **head_scores(head, target, data["val"], tau_prompts, tokenizer.stop_ids,
                                                       preset, args.dtype)}
             print(f"the head in {path}: validation tau {scores['val_tau']}, accuracy per unrolled step "

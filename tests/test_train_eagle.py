@@ -316,7 +316,7 @@ def test_eagle2_head_on_the_kept_conversation_shards(tiny_hf_checkpoint, tmp_pat
              "--data_dir", str(data_dir), "--cache_dir", str(cache), "--n_shards", "3", "--tau_prompts", "1",
              "--init_from", str(out), "--lr", "0"])
     info = json.loads((tmp_path / "again.work" / "training.json").read_text())
-    assert info["baseline"]["dir"] == str(out.resolve()) and info["init_from"]["dir"] == str(out)
+    assert info["baseline"]["dir"] == str(out) and info["init_from"]["dir"] == str(out)
     assert info["baseline"]["val_acc"] == info["history"][-1]["val_acc"]
     assert info["baseline"]["val_tau"] == info["history"][-1]["val_tau"]
     assert info["shipped_step"] is None and not again.exists()
