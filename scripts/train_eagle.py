@@ -987,22 +987,22 @@ def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def validate_head(head, target, val, preset: Preset, dtype: str):
-    """validate3's top-1 accuracy per unrolled step of a finished EAGLE-3 head (over its own
-    vocabulary) on the validation conversations: what a new head must beat to replace it."""
+    """The top-1 accuracy per unrolled step of a finished head on the validation conversations, as
+    training's validation computes it: validate3 (over an EAGLE-3 head's own vocabulary) or
+    validate (an EAGLE-1/2 head)."""
     setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
-    index = index_of_vocab(head.vocab, target.config.vocab_size)
-    return validate3(head, target, val, preset, target.norm.weight.device, dtype, index)[:, 1].tolist()
+    device = target.norm.weight.device
+    if isinstance(head, Eagle3Draft):
+        index = index_of_vocab(head.vocab, target.config.vocab_size)
+        return validate3(head, target, val, preset, device, dtype, index)[:, 1].tolist()
+    return validate(head, target, val, preset, device, dtype)[:, 2].tolist()
 
 
 def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
     """A trained head (either architecture) on this run's held-out conversations, as a validation
     record has it: top-1 accuracy per unrolled step ("val_acc") and tau on tau_prompts ("val_tau",
     None without prompts). What a new head must beat to be written out."""
-    if isinstance(head, Eagle3Draft):
-        acc = validate_head(head, target, val, preset, dtype)
-    else:
-        setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
-        acc = validate(head, target, val, preset, target.norm.weight.device, dtype)[:, 2].tolist()
+    acc = validate_head(head, target, val, preset, dtype)
     tau = measure_tau(target, head, stop_ids, tau_prompts, preset.tau_max_tokens, tree_depth=preset.tau_depth)
     return {"val_tau": tau, "val_acc": acc}
 
