@@ -4,11 +4,15 @@
 #
 #   bash scripts/gpu_train_eagle3.sh OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
 #       there; SECONDS (default 540) bounds the whole run; arguments after -- go to every train_eagle.py run
+#   bash scripts/gpu_train_eagle3.sh --prepare OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
+#       stages 1 and 2 only (the target, the features of every shard, the probe), then stop
 #
 # Before, here: GPU_CHECK_PART_SIZE=50M bash scripts/gpu_check.sh --split (the GGUF in parts under
 # downloads/parts, with the 'gguf' package the conversion needs); the parts travel in calls of their
-# own, are copied aside there and back into downloads/parts before this runs (the calls:
-# benchmarks/README.md, "The EAGLE-3 head after two continuation epochs on a lent H200").
+# own and are copied aside there. The call that brings the last part runs --prepare (the features,
+# ~3 minutes on an H200), so that the training call spends its 10 minutes on epochs: its own probe
+# then reads the cached features (the calls: benchmarks/README.md, "The EAGLE-3 head on a second
+# lent H200").
 #
 # In order:
 #   1. the SmolLM2 GGUF joined and converted (gpu_check.sh --checkpoint: skipped when
@@ -33,7 +37,9 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+PREPARE=0
+[ "${1:-}" = --prepare ] && { PREPARE=1; shift; }
 [ $# -ge 1 ] || usage
 case "$1" in -*) usage ;; esac
 OUT="$1"
@@ -107,6 +113,7 @@ EOF
 # An epoch: its steps, then ~60 s for the run's start (the target loaded, the features read from the
 # cache, the head it starts from measured) and two validations; 20 s kept for packing.
 log "probe: $SPE steps an epoch, $SPS s a step; $(( TOTAL_S - SECONDS )) s left"
+[ "$PREPARE" = 1 ] && { log "prepared: the features are cached in $WORK/features"; exit 0; }
 EPOCH_S=$("$PY" -c "import sys; print(int(float(sys.argv[1]) * float(sys.argv[2])) + 60)" "$SPE" "$SPS")
 
 # 3. continuation epochs, each from the head the one before wrote, while another one fits and the one

@@ -1,6 +1,7 @@
-"""scripts/gpu_train_eagle3.sh on a CPU and a tiny checkpoint: its arguments, and the whole run (the
-probe, continuation epochs each from the head the one before wrote, the stop when an epoch finds no
-better head, the heads packed in parts that join into loadable heads)."""
+"""scripts/gpu_train_eagle3.sh on a CPU and a tiny checkpoint: its arguments, and the whole run (--prepare
+writing the features a later call reads, the probe, continuation epochs each from the head the one
+before wrote, the stop when an epoch finds no better head, the heads packed in parts that join into
+loadable heads)."""
 import json
 import os
 import re
@@ -25,7 +26,7 @@ def gpu_train(*args, **env):
 
 def test_syntax_and_arguments():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
-    for bad in ([], ["--help"], ["out", "ten"], ["out", "60", "--lr"]):
+    for bad in ([], ["--help"], ["out", "ten"], ["out", "60", "--lr"], ["--prepare"], ["--prepare", "--prepare"]):
         usage = gpu_train(*bad)
         assert usage.returncode == 2 and "gpu_train_eagle3.sh OUT_DIR [SECONDS]" in usage.stderr
 
@@ -45,12 +46,20 @@ def test_continuation_epochs_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, 
     monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()))
     head = tmp_path / "head"  # the "shipped" head and its three data shards
     te.main(eagle3_argv(model_path, head, "--tau_prompts", "0", "--epochs", "1"))
+    env = dict(SMOLLM2_CHECKPOINT=str(model_path), HEAD=str(head), DATA_DIR=str(tmp_path / "head.work" / "conversations"),
+               PRESET="tiny", N_SHARDS="3", PROBE_STEPS="2", MAX_EPOCHS="3", TAU_PROMPTS="1", WORK=str(tmp_path / "work"))
+    # --prepare (the call that brings the last GGUF part): the features, the probe, no epoch
+    prepared = gpu_train("--prepare", tmp_path / "prepared", 3000, **env)
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    log = (tmp_path / "prepared" / "train.log").read_text()
+    assert "prepared: the features are cached" in log and "epoch 1 from" not in log
+    features = sorted((tmp_path / "work" / "features").glob("*.npy"))
+    assert len(features) == 3 * 3  # three shards, three arrays each
+    written = [f.stat().st_mtime_ns for f in features]
     out = tmp_path / "out"
-    run = gpu_train(out, 3000, "--", "--lr", "3e-3", "--warmup_steps", "2",
-                    SMOLLM2_CHECKPOINT=str(model_path), HEAD=str(head), DATA_DIR=str(tmp_path / "head.work" / "conversations"),
-                    PRESET="tiny", N_SHARDS="3", PROBE_STEPS="2", MAX_EPOCHS="3", TAU_PROMPTS="1",
-                    WORK=str(tmp_path / "work"))
+    run = gpu_train(out, 3000, "--", "--lr", "3e-3", "--warmup_steps", "2", **env)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert [f.stat().st_mtime_ns for f in features] == written  # read from the cache, not written again
     log = (out / "train.log").read_text()
     spe = int(re.search(r"probe: (\d+) steps an epoch", log).group(1))
     assert spe > 2
@@ -73,3 +82,12 @@ def test_continuation_epochs_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, 
         assert info["init_from"]["dir"] == str(tmp_path / "work" / "init")  # each epoch from the one before
         assert not torch.equal(checkpoint.load_draft(best, target.config).fc.weight,
                                checkpoint.load_draft(head, target.config).fc.weight)
+    # The one-cosine form benchmarks/README.md gives the next lent GPU: a single run of two epochs,
+    # validated at their two ends only, from the cached features.
+    cosine = gpu_train(tmp_path / "cosine", 3000, "--", "--epochs", "2", "--eval_every", "0", **{**env, "MAX_EPOCHS": "1"})
+    assert cosine.returncode == 0, cosine.stdout + cosine.stderr
+    assert len(re.findall(r"epoch \d+ from", (tmp_path / "cosine" / "train.log").read_text())) == 1
+    record = json.loads((tmp_path / "cosine" / "training.json").read_text())
+    assert record["steps"] == 2 * spe and record["settings"]["epochs"] == 2
+    assert [h["step"] for h in record["history"]] == [spe, 2 * spe]
+    assert [f.stat().st_mtime_ns for f in features] == written
