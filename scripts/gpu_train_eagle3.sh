@@ -5,7 +5,7 @@
 #   bash scripts/gpu_train_eagle3.sh OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
 #       there; SECONDS (default 540) bounds the whole run; arguments after -- go to every train_eagle.py run
 #   bash scripts/gpu_train_eagle3.sh --prepare OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
-#       stages 1 and 2 only (the target, the features of every shard, the probe), then stop
+#       stages 1 and 2 only (the target, the features of every shard, the probe, from a fresh head), then stop
 #
 # Before, here: GPU_CHECK_PART_SIZE=50M bash scripts/gpu_check.sh --split (the GGUF in parts under
 # downloads/parts, with the 'gguf' package the conversion needs); the parts travel in calls of their
@@ -93,7 +93,13 @@ log "target $CKPT"
 # The shipped head is copied to the output folder: the run measures it first and replaces it only
 # by a better head.
 rm -rf "$WORK/out" "$WORK/init" "$WORK"/run*.work "$WORK/probe" "$WORK/probe.work"
-cp -R "$HEAD" "$WORK/out"
+# --prepare runs in a call whose checkout leaves heads/ behind (the GGUF part takes the room): its
+# probe starts from a fresh head, whose steps cost what the shipped head's do.
+INIT=()
+if [ "$PREPARE" = 0 ]; then
+    cp -R "$HEAD" "$WORK/out" || { log "no head to continue: $HEAD"; exit 1; }
+    INIT=(--init_from "$HEAD")
+fi
 touch "$WORK/started"
 COMMON=(scripts/train_eagle.py --arch eagle3 --checkpoint_path "$CKPT" --preset "$PRESET"
         --data_dir "$DATA_DIR" --cache_dir "$WORK/features" --n_shards "$N_SHARDS"
@@ -101,7 +107,7 @@ COMMON=(scripts/train_eagle.py --arch eagle3 --checkpoint_path "$CKPT" --preset 
 
 # 2. the probe: features of every shard, then seconds a step
 log "probe: features of $N_SHARDS shards, then $PROBE_STEPS steps"
-timeout $(( TOTAL_S - SECONDS - 60 )) "$PY" "${COMMON[@]}" --init_from "$HEAD" --out_dir "$WORK/probe" --work_dir "$WORK/probe.work" \
+timeout $(( TOTAL_S - SECONDS - 60 )) "$PY" "${COMMON[@]}" "${INIT[@]}" --out_dir "$WORK/probe" --work_dir "$WORK/probe.work" \
     --epochs 1 --max_steps "$PROBE_STEPS" --tau_prompts 0 "${EXTRA[@]}" >> "$LOG" 2>&1 || { log "the probe failed (exit $?)"; exit 1; }
 read -r SPE SPS < <("$PY" - "$LOG" "$WORK/probe.work/training.json" <<'EOF'
 import json, re, sys

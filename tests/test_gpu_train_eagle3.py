@@ -48,8 +48,9 @@ def test_continuation_epochs_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, 
     te.main(eagle3_argv(model_path, head, "--tau_prompts", "0", "--epochs", "1"))
     env = dict(SMOLLM2_CHECKPOINT=str(model_path), HEAD=str(head), DATA_DIR=str(tmp_path / "head.work" / "conversations"),
                PRESET="tiny", N_SHARDS="3", PROBE_STEPS="2", MAX_EPOCHS="3", TAU_PROMPTS="1", WORK=str(tmp_path / "work"))
-    # --prepare (the call that brings the last GGUF part): the features, the probe, no epoch
-    prepared = gpu_train("--prepare", tmp_path / "prepared", 3000, **env)
+    # --prepare (the call that brings the last GGUF part, where heads/ stays behind): the features,
+    # the probe, no epoch
+    prepared = gpu_train("--prepare", tmp_path / "prepared", 3000, **{**env, "HEAD": str(tmp_path / "absent")})
     assert prepared.returncode == 0, prepared.stdout + prepared.stderr
     log = (tmp_path / "prepared" / "train.log").read_text()
     assert "prepared: the features are cached" in log and "epoch 1 from" not in log
