@@ -224,8 +224,8 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     chunks: a step 69 %), int4 files (Zen 5, group 32: a step +42 %, a round +20 %, their kernel as
     a custom op called back through Python; a Zen 4 through Inductor's int4 template, three runs: a
     step +0.9 to +9.5 %, a round +7.9 to +11.6 %, median +11.3 %; there through the kernel called
-    directly, one run: +11.1 %, +14.4 %), float16 (a Zen 4, 30 turns alternating, one run: a step
-    +3.4 %, a round +10.5 %, over the 10 %). Eager runs were not timed against the 10 %: off until
+    directly, one run: +11.1 %, +14.4 %), float16 (a Zen 4, 30 turns alternating, three runs: a step
+    +3.4 to +7.4 %, a round +10.5 to +13.3 %, median +12.1 %). Eager runs were not timed against the 10 %: off until
     they are."""
     quantized = mode_from_path(checkpoint_path)[0]
     return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
