@@ -90,11 +90,10 @@ CKPT="$(PYTHON="$PY" bash scripts/gpu_check.sh --checkpoint 2>> "$LOG")" \
     || { log "no SmolLM2: the GGUF parts did not join or convert"; exit 1; }
 log "target $CKPT"
 
-# The shipped head is copied to the output folder: the run measures it first and replaces it only
-# by a better head.
 rm -rf "$WORK/out" "$WORK/init" "$WORK"/run*.work "$WORK/probe" "$WORK/probe.work"
-# --prepare runs in a call whose checkout leaves heads/ behind (the GGUF part takes the room): its
-# probe starts from a fresh head, whose steps cost what the shipped head's do.
+# The shipped head is copied to the output folder: the run measures it first and replaces it only
+# by a better head. --prepare runs in a call whose checkout leaves heads/ behind (the GGUF part
+# takes the room): its probe starts from a fresh head, whose steps cost what the shipped head's do.
 INIT=()
 if [ "$PREPARE" = 0 ]; then
     cp -R "$HEAD" "$WORK/out" || { log "no head to continue: $HEAD"; exit 1; }
