@@ -6,7 +6,7 @@
 # two answers are identical.
 #
 # The head: the EAGLE-3 one (checkpoints/NAME/eagle3/), which since 2026-11-25 accepts more of its
-# guesses than the EAGLE-2 one (MT-bench tau 4.02 against 2.54, float32, 60-token trees) and costs
+# guesses than the EAGLE-2 one (MT-bench tau 4.09 against 2.98, float32, 60-token trees) and costs
 # less a round (its draft LM head has 8,192 rows, not 49,152; benchmarks/README.md);
 # DEMO_SPECULATE=eagle2 (or eagle) picks the other.
 # The settings are generate.py's defaults on a CPU, what measured fastest on a 2-core CPU
