@@ -11,8 +11,8 @@
 # downloads/parts, with the 'gguf' package the conversion needs); the parts travel in calls of their
 # own and are copied aside there. The call that brings the last part runs --prepare (the features,
 # ~3 minutes on an H200), so that the training call spends its 10 minutes on epochs: its own probe
-# then reads the cached features (the calls: benchmarks/README.md, "The EAGLE-3 head on a second
-# lent H200").
+# then reads the cached features (the calls, as last run: benchmarks/README.md, "The EAGLE-3 head on
+# a third lent H200").
 #
 # In order:
 #   1. the SmolLM2 GGUF joined and converted (gpu_check.sh --checkpoint: skipped when
