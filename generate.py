@@ -499,6 +499,11 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if not args.compile:
         pack_linears(model)  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
+        if model.invariant_window is not None and args.speculate != "none" and eager_invariant_rows(model, most=2) < 2:
+            # no tree fits (a root and one guess are 2 rows): say so before --tree_tokens auto measures shapes
+            raise ValueError("--batch_invariant without --compile: this CPU's eager GEMMs round a verify's rows apart "
+                             "from one-token steps for every tree (model.eager_invariant_rows: 1 row): compile "
+                             "(--compile), or speculate without --batch_invariant")
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         if args.compile:

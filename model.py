@@ -209,43 +209,51 @@ INVARIANT_WINDOW = 32
 # rows for which torch's eager CPU GEMMs give each row a one-row call's bits, which depends on
 # the CPU and the shape (torch 2.13, bf16, SmolLM2's shapes: 32 on a Xeon with AMX, not 48 or 64;
 # 1 on an AMD EPYC without AMX, where the 1536 -> 576 down projection rounds ~10 % of the rows of
-# any call of 2 or more apart from one-row calls); compiled, the C++ GEMM templates do for 1 to 64
-# everywhere measured (tests/test_model.py).
+# any call of 2 or more apart from one-row calls, as F.linear and as a PackedLinear); compiled,
+# the C++ GEMM templates do for 1 to 64 everywhere measured (tests/test_model.py).
 EAGER_ROWS_PROBED = 64
 
 
 def eager_invariant_rows(model: nn.Module, most: int = EAGER_ROWS_PROBED) -> int:
-    """The most rows (up to most) that every floating-point nn.Linear of model computes, eagerly,
-    with each row's bits those of a one-row call: _eager_linear_rows over its shapes, the smallest
-    weights first, each probed only up to the answer so far (the LM head's probe, the costly one:
-    ~12 s to 64 rows for SmolLM2's on a 2-core Zen 3, stops early where a small layer failed)."""
-    shapes = sorted({(m.weight.dtype, m.out_features, m.in_features) for m in model.modules()
-                     if type(m) is nn.Linear and m.weight.is_floating_point() and m.weight.device.type == "cpu"},
-                    key=lambda shape: (shape[1] * shape[2], str(shape[0])))
+    """The most rows (up to most) that every floating-point linear of model computes, eagerly,
+    with each row's bits those of a one-row call: _eager_linear_rows over its shapes, as the model
+    holds them (an nn.Linear, or a PackedLinear: oneDNN's packed weights round by row count in
+    shapes of their own), the smallest weights first, each probed only up to the answer so far (the
+    LM head's probe, the costly one: ~12 s to 64 rows for SmolLM2's on a 2-core Zen 3, stops early
+    where a small layer failed)."""
+    shapes = sorted({(m.weight.dtype, m.out_features, m.in_features, type(m) is PackedLinear) for m in model.modules()
+                     if type(m) in (nn.Linear, PackedLinear) and m.weight.is_floating_point()
+                     and m.weight.device.type == "cpu"},
+                    key=lambda shape: (shape[1] * shape[2], str(shape[0]), shape[3]))
     rows = min(most, EAGER_ROWS_PROBED)
-    for shape in shapes:
-        rows = _eager_linear_rows(*shape, most=rows, threads=torch.get_num_threads())
+    for dtype, out_features, in_features, packed in shapes:
+        rows = _eager_linear_rows(dtype, out_features, in_features, most=rows, packed=packed,
+                                  threads=torch.get_num_threads())
     return rows
 
 
 @functools.lru_cache(maxsize=None)
 def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = EAGER_ROWS_PROBED, *,
-                       threads: int) -> int:
-    """The largest m <= most such that F.linear in calls of 1, 2, ..., m rows gives every row the
-    bits it gets alone. Each count is tried on all of 64 or more rows of random data (a fixed seed,
-    its own generator; at least 65,536 outputs): a path that rounds apart may touch only a few rows
-    in ten (measured). threads: torch's thread count, a key of the cache only: how a kernel splits
-    its work among threads can decide how it rounds, and a process may change the count (the test
-    suite does)."""
+                       packed: bool = False, threads: int) -> int:
+    """The largest m <= most such that a linear (F.linear, or a PackedLinear if packed) in calls of
+    1, 2, ..., m rows gives every row the bits it gets alone. Each count is tried on all of 64 or
+    more rows of random data (a fixed seed, its own generator; at least 65,536 outputs): a path that
+    rounds apart may touch only a few rows in ten (measured). threads: torch's thread count, a key
+    of the cache only: how a kernel splits its work among threads can decide how it rounds, and a
+    process may change the count (the test suite does)."""
     if most <= 1:
         return most
     g = torch.Generator().manual_seed(0)
-    weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
+    if packed:
+        linear = PackedLinear(linear)
     x = torch.randn(max(EAGER_ROWS_PROBED, -(-65536 // out_features)), in_features, generator=g).to(dtype)
     with torch.no_grad():
-        alone = torch.cat([F.linear(row, weight) for row in x.split(1)])
+        alone = torch.cat([linear(row) for row in x.split(1)])
         for m in range(2, most + 1):
-            if not torch.equal(torch.cat([F.linear(rows, weight) for rows in x.split(m)]), alone):
+            if not torch.equal(torch.cat([linear(rows) for rows in x.split(m)]), alone):
                 return m - 1
     return most
 

@@ -248,10 +248,12 @@ def test_auto_dtype_of_a_compiled_cpu_run_is_the_one_measured_fastest_there(monk
 
 
 @pytest.mark.all_threads
-def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys):
+def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear_errors(tiny_checkpoint, capsys,
+                                                                                        monkeypatch):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
-    trees larger than this CPU's model.eager_invariant_rows are refused with one line."""
+    trees larger than this CPU's model.eager_invariant_rows are refused with one line, and where
+    it is 1 (no tree fits; SmolLM2 on an AMD EPYC) before --tree_tokens auto measures shapes."""
     checkpoint, _ = tiny_checkpoint
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
                        "--speculate", "eagle2", "--tree_tokens", "16", "--lookup", "4", "--compare",
@@ -269,6 +271,11 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
     with pytest.raises(SystemExit, match=r"holds for trees of up to \d+ nodes on this CPU"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree_tokens", "70", "--device", "cpu", "--no-compile", "--batch_invariant"])
+    monkeypatch.setattr(gen, "eager_invariant_rows", lambda model, most: 1)
+    monkeypatch.setattr(gen, "auto_shape", lambda *a, **k: pytest.fail("auto_shape ran before the refusal"))
+    with pytest.raises(SystemExit, match="round a verify's rows apart from one-token steps for every tree"):
+        gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
+                  "--tree_tokens", "auto", "--device", "cpu", "--no-compile", "--batch_invariant"])
 
 
 def test_batch_invariant_on_cuda_takes_every_dtype_and_quantized_files_and_refuses_torchrun(tmp_path, monkeypatch):

@@ -342,16 +342,21 @@ EAGER_ROWS_ASKED = 32
 
 
 @pytest.mark.all_threads
+@pytest.mark.parametrize("packed", [False, True])
 @torch.no_grad()
-def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
+def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits(packed):
     """model.eager_invariant_rows: every row count up to its answer gives each row of each of the
     model's linears the bits of a one-row call (checked here on other data than the probe's), and
-    where it is below what was asked one more row does not, for some linear."""
+    where it is below what was asked one more row does not, for some linear. packed: the linears
+    as an eager bf16 run on a CPU holds them (model.pack_linears: oneDNN's packed weights)."""
     import model as m
     net = smollm2_two_layers_bf16()
+    if packed and not m.pack_linears(net):
+        pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
     rows = m.eager_invariant_rows(net, most=EAGER_ROWS_ASKED)
     assert m.eager_invariant_rows(net, most=3) == min(3, rows)  # generate.py asks up to a tree's size
-    linears = [mod for mod in net.modules() if type(mod) is torch.nn.Linear]
+    linears = [mod for mod in net.modules() if type(mod) in (torch.nn.Linear, m.PackedLinear)]
+    assert linears and all((type(lin) is m.PackedLinear) == packed for lin in linears)
     x = torch.randn(rows + 1, net.config.intermediate_size, generator=torch.Generator().manual_seed(5))
     for lin in linears:
         xs = x[:, :lin.in_features].to(torch.bfloat16)
@@ -359,7 +364,7 @@ def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits():
         assert all(torch.equal(lin(xs[:n]), alone[:n]) for n in range(1, rows + 1)), lin
     if rows < EAGER_ROWS_ASKED:  # some linear gives a call of rows + 1 other bits
         assert any(m._eager_linear_rows(lin.weight.dtype, lin.out_features, lin.in_features, most=rows + 1,
-                                      threads=torch.get_num_threads()) == rows
+                                        packed=packed, threads=torch.get_num_threads()) == rows
                    for lin in linears)
 
 
@@ -380,6 +385,22 @@ def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
     EPYC (AVX-512, no AMX) torch 2.13's eager bf16 GEMMs gave equal rows for 12-128 nodes, so that
     side depends on the CPU and is not asserted."""
     model = smollm2_two_layers_bf16()
+    model.invariant_window = 32
+    region = eager_invariant_rows(model, most=EAGER_ROWS_ASKED)
+    steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
+    assert all(torch.equal(logits, steps) for logits in cases.values())
+
+
+@pytest.mark.all_threads
+def test_batch_invariant_eager_verify_rows_equal_one_token_steps_with_packed_linears():
+    """The same with the linears packed, as generate.py runs eager bf16 on a CPU (pack_linears):
+    eager_invariant_rows probes the packed layers themselves. (It looked for nn.Linear only and,
+    finding none, allowed any tree: on an AMD EPYC (Zen 4) the packed 1536 -> 576 down projection
+    rounds calls of 2 rows or more apart, and a verify's rows differed from the steps'.)"""
+    from model import pack_linears
+    model = smollm2_two_layers_bf16()
+    if not pack_linears(model):
+        pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
     model.invariant_window = 32
     region = eager_invariant_rows(model, most=EAGER_ROWS_ASKED)
     steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
