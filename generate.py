@@ -26,7 +26,8 @@ from torch import Tensor
 import tp
 from checkpoint import load_draft, load_model
 from draft import Eagle3Draft, EagleDraft
-from model import INVARIANT_WINDOW, Transformer, eager_invariant_rows, pack_linears, set_attention_backend
+from model import (INVARIANT_WINDOW, PackedLinear, Transformer, eager_invariant_rows, pack_linears,
+                   set_attention_backend)
 import quantize
 from quantize import mode_from_path, set_row_invariant
 from sampling import all_stopped, cut_at_stop, sample
@@ -101,6 +102,9 @@ def model_bytes_per_token(model: Transformer) -> int:
         # an expert stack's weight, or its int8 scales
         experts = c.num_experts and name.rsplit(".", 1)[0].endswith(("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
         total += size * c.num_activated_experts // c.num_experts if experts else size
+    for m in model.modules():  # eager half precision on a CPU: oneDNN's packed weights, not in the state dict
+        if type(m) is PackedLinear:
+            total += sum(t.numel() * t.element_size() for t in (m.weight, m.bias) if t is not None)
     return total
 
 

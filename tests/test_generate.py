@@ -157,6 +157,19 @@ def test_prompt_longer_than_the_context_is_a_clear_error(smollm2_checkpoint, tmp
     assert "more than the model's context of 8192 tokens" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_bytes_per_token_counts_packed_linears():
+    """model_bytes_per_token is the same once pack_linears has put the linears' weights in oneDNN's
+    layout (eager half precision on a CPU), where they are no longer in the state dict (eager bf16
+    runs printed "0.00 GB/s" before)."""
+    from model import ModelArgs, Transformer, pack_linears, transformer_configs
+    for name in ("tiny-llama", "tiny-qwen2"):
+        model = Transformer(ModelArgs(**transformer_configs[name])).to(torch.bfloat16)
+        unpacked = gen.model_bytes_per_token(model)
+        if not pack_linears(model):
+            pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
+        assert gen.model_bytes_per_token(model) == unpacked > 0, name
+
+
 def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, capsys):
     """--compare: both answers, their speeds and ratio, tau, and equality (float32, greedy: identical)."""
     checkpoint, _ = tiny_checkpoint
