@@ -562,7 +562,8 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
         # asked of this CPU's GEMMs (model.py), up to the tree's size: all that this run needs to know
         rows = eager_invariant_rows(spec.target, most=spec.n_nodes)
         if spec.n_nodes > rows:
-            raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} nodes on this "
+            raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} "
+                             f"node{'s' if rows != 1 else ''} on this "
                              f"CPU (tree tokens + lookup), this one has {spec.n_nodes}: compile, or pass a smaller "
                              f"--tree_tokens / --lookup")
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
