@@ -634,8 +634,8 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
                 (query head, query) pairs of each KV head, each masked to its own old_end, padded
                 to a row count whose blocks the kernel computes alike (flash_rows)
         recent  per query, a batch entry of H // KV rows a KV head over the W + 1 positions
-                p - W .. p gathered in order (a tree keeps them wherever it put them), padded as
-                above, and before them one key per query head that stands for its old part: key 0
+                p - W .. p gathered in order (a tree keeps them wherever it put them), in float32,
+                padded as above, and before them one key per query head that stands for its old part: key 0
                 (score 0) with the old call's log-sum-exp as its bias and its output as the value,
                 so the kernel's softmax weighs the old part as a merge through the two
                 log-sum-exps would, for H // KV more keys of W + 1.
@@ -659,10 +659,16 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
     lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
 
+    # The recent call in float32 whatever the model's dtype: a batch entry per query of a few rows by
+    # W + 1 keys costs the kernel about the same per entry whatever its size, and its float32 path
+    # less than its bf16/fp16 one. Measured on an AMD EPYC (Zen 4, no AMX), SmolLM2's 3 KV heads of
+    # 3 rows by 36 keys: eager 28.0 against 17.5 us for 4 queries, 15.1 against 11.4 for 1; a
+    # compiled 4-token round of the int4 file 0.29 ms faster, of a float16 model 0.87 ms
+    # (benchmarks/README.md). With AMX, where bf16 matmuls are fast, not measured.
     rows = torch.arange(B, device=q.device)[:, None, None]
-    k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D)
-    v_recent = v[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D)
-    v_old = out_old.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
+    k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D).float()
+    v_recent = v[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D).float()
+    v_old = out_old.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D).float()
     keys = torch.cat([k_recent.new_zeros(B * T, KV, G, D), k_recent], 2)
     values = torch.cat([v_old, v_recent], 2)
     # float32 bias: the old part's log-sum-exp enters unrounded; row g sees old key g only
@@ -670,9 +676,9 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     old_bias = torch.where(own, lse_old.permute(0, 3, 1, 2).reshape(B * T, KV, G, 1), neg_inf)
     recent_bias = torch.zeros((), device=q.device).masked_fill(~mask.recent_ok, neg_inf)
     recent_bias = recent_bias.view(B * T, 1, 1, W1).expand(B * T, KV, G, W1)
-    q_rows = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D)
+    q_rows = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D).float()
     out, _ = _flash(q_rows, keys, values, torch.cat([old_bias, recent_bias], -1))
-    return out.view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, H, T, D)
+    return out.to(q.dtype).view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, H, T, D)
 
 
 class PackedLinear(nn.Module):
