@@ -222,18 +222,23 @@ def batch_invariant_by_default(device: str, dtype: str, compile: bool, checkpoin
     AVX-512 without AMX; a Zen 5, three runs of turns in alternating order: a step -3.2, +3.1,
     -1.1 %, a round +7.1, +12.2, +6.4 %, MT-bench plain decoding 6.4 % slower, whole answers;
     through torch's int8 kernel, as the mode ran them before, +29 % and +19 %; a Zen 4, one run: a
-    step +4.7 %, a round +7.5 %). Off: with AMX (bf16: a step cost 15 %, 17.8 against 15.5 ms;
-    float32 not timed; int8 files there keep the kernel), on CUDA (an H100, SmolLM2 compiled in
-    bf16: a step cost 67 %, 1.82 against 1.09 ms, a round ~20 %; an H200, split-K and attention
-    chunks: a step 69 %), int4 files (Zen 5, group 32: a step +42 %, a round +20 %, their kernel as
-    a custom op called back through Python; a Zen 4 through Inductor's int4 template, three runs: a
-    step +0.9 to +9.5 %, a round +7.9 to +11.6 %, median +11.3 %; there through the kernel called
-    directly, one run: +11.1 %, +14.4 %), float16 (a Zen 4, 30 turns alternating, three runs: a step
-    +3.4 to +7.4 %, a round +10.5 to +13.3 %, median +12.1 %). Eager runs were not timed against the 10 %: off until
-    they are."""
+    step +4.7 %, a round +7.5 %). Since the window attention's recent call runs in float32
+    (2026-11-30; a Zen 4, three runs of 30 turns alternating each): float16 a step +3.2, +1.9,
+    +4.0 %, a round +4.9, +4.6, +5.7 % (before: a round +10.5 to +13.3 %, median +12.1 %); int4
+    files (bf16) where their layers compile to Inductor's int4 template
+    (quantize.INDUCTOR_INT4_ROWS_INVARIANT: AVX-512 without AMX) a step +11.1, +6.3, +5.3 %, a
+    round +11.3, +8.1, +6.7 %: medians +6.3 % and +8.1 % (before: a round median +11.3 %). Off: with
+    AMX (bf16: a step cost 15 %, 17.8 against 15.5 ms; float32 not timed; int8 files there keep the
+    kernel), on CUDA (an H100, SmolLM2 compiled in bf16: a step cost 67 %, 1.82 against 1.09 ms, a
+    round ~20 %; an H200, split-K and attention chunks: a step 69 %), int4 files without the
+    template (their kernel called directly: a Zen 4, one run, +11.1 % and +14.4 %; called back
+    through Python on a Zen 5: +42 % and +20 %). Eager runs were not timed against the 10 %: off
+    until they are."""
     quantized = mode_from_path(checkpoint_path)[0]
-    return (device == "cpu" and compile and dtype in ("bfloat16", "float32")
-            and (quantized is None or quantized == "int8" and quantize.INDUCTOR_INT8_ROWS_INVARIANT)
+    return (device == "cpu" and compile and dtype in ("bfloat16", "float32", "float16")
+            and (quantized is None
+                 or quantized == "int8" and quantize.INDUCTOR_INT8_ROWS_INVARIANT
+                 or quantized == "int4" and quantize.INDUCTOR_INT4_ROWS_INVARIANT)
             and not torch.cpu._is_amx_tile_supported()
             and batch_invariant_problem(device, dtype, compile, checkpoint_path) is None)
 

@@ -112,8 +112,10 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 # (int4_rows_cpu, which Inductor compiles to a direct call of the kernel:
 # lower_int4_rows_to_the_kernel); so does every int4 layer on a CPU without AVX-512 or with AMX.
 # (A Zen 4, group 32: the template, three runs: the mode's step +0.9 to +9.5 %, a round +7.9 to
-# +11.6 %; the kernel called directly, one run: +11.1 % and +14.4 %; the kernel called back
-# through Python, as before 2026-11-29: +44 % and +31 %.)
+# +11.6 %, and since the window attention's recent call runs in float32 (2026-11-30) a step +11.1,
+# +6.3, +5.3 %, a round +11.3, +8.1, +6.7 %, so that generate.batch_invariant_by_default turns the
+# mode on for int4 files where the template serves; the kernel called directly, one run: +11.1 %
+# and +14.4 %; the kernel called back through Python, as before 2026-11-29: +44 % and +31 %.)
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
 INDUCTOR_INT4_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() == "AVX512"

@@ -220,27 +220,33 @@ def test_compiled_cpu_default_tree_follows_the_cpus_matrix_units(monkeypatch, tm
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, tmp_path, amx):
-    """--batch_invariant defaults to on for compiled bf16 and float32 runs of an unquantized file on a
-    CPU without AMX (measured there to cost <= 10 % of a step and of a round), and of an int8 file
-    where its layers compile to Inductor's template (quantize.INDUCTOR_INT8_ROWS_INVARIANT); off
-    with AMX (bf16: 15 %), eager, in float16 and for int4 files (Zen 5: a step +42 %); --batch_invariant /
-    --no-batch_invariant always win."""
+    """--batch_invariant defaults to on for compiled bf16, float32 and float16 runs of an unquantized
+    file on a CPU without AMX (measured there to cost <= 10 % of a step and of a round), and of an
+    int8 or int4 file where its layers compile to Inductor's template
+    (quantize.INDUCTOR_INT8_ROWS_INVARIANT, INDUCTOR_INT4_ROWS_INVARIANT); off with AMX (bf16: 15 %),
+    eager, for int4 files on torch's kernel (a step +11 %, a round +14 %) and for quantized files
+    outside bf16; --batch_invariant / --no-batch_invariant always win."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", not amx)
+    monkeypatch.setattr(quantize, "INDUCTOR_INT4_ROWS_INVARIANT", not amx)
     compiled = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
     assert gen.parse_args(compiled).batch_invariant is (not amx)
     assert gen.parse_args(compiled + ["--dtype", "bfloat16"]).batch_invariant is (not amx)
     assert gen.parse_args(compiled + ["--no-batch_invariant"]).batch_invariant is False
     assert gen.parse_args(compiled + ["--batch_invariant"]).batch_invariant is True
     assert gen.parse_args(compiled + ["--dtype", "float32"]).batch_invariant is (not amx)
-    assert gen.parse_args(compiled + ["--dtype", "float16"]).batch_invariant is False
+    assert gen.parse_args(compiled + ["--dtype", "float16"]).batch_invariant is (not amx)
     assert gen.parse_args(["--device", "cpu", "--no-compile", "--dtype", "bfloat16"]).batch_invariant is False
     assert gen.parse_args(["--device", "cpu", "--no-compile"]).batch_invariant is False
     int8 = ["--checkpoint_path", str(tmp_path / "model_int8.pth")]
     assert gen.parse_args(compiled + int8).batch_invariant is (not amx)
+    int4 = ["--checkpoint_path", str(tmp_path / "model_int4.g32.pth")]
+    assert gen.parse_args(compiled + int4).batch_invariant is (not amx)
+    assert gen.parse_args(compiled + int4 + ["--dtype", "float16"]).batch_invariant is False  # built for bf16
     monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", False)  # say, a CPU without AVX2
+    monkeypatch.setattr(quantize, "INDUCTOR_INT4_ROWS_INVARIANT", False)  # ... or without AVX-512
     assert gen.parse_args(compiled + int8).batch_invariant is False
-    assert gen.parse_args(compiled + ["--checkpoint_path", str(tmp_path / "model_int4.g32.pth")]).batch_invariant is False
+    assert gen.parse_args(compiled + int4).batch_invariant is False
 
 
 @pytest.mark.parametrize("cpu, expected", [(("AuthenticAMD", "26"), "float32"), (("AuthenticAMD", "25"), "bfloat16"),
