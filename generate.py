@@ -323,8 +323,9 @@ def parse_args(argv=None):
                    help="compute every token's logits bit for bit the same in a one-token step and in a verify "
                         "of many (model.invariant_attention): greedy speculative output then equals plain "
                         "decoding's in bfloat16 and float16 too (CPU: bfloat16, or float16/float32 with --compile). "
-                        "Default: on where it was measured to cost <= 10%% (compiled bfloat16 on a CPU without "
-                        "AMX, compiled float32 there too), off elsewhere")
+                        "Default: on where it was measured to cost <= 10%% (compiled runs on a CPU without AMX: "
+                        "bfloat16, float32 and float16, and int8/int4 files where Inductor's templates take "
+                        "their layers), off elsewhere")
     p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
                    help="tensor parallelism (under torchrun): seconds a rank waits for the others, to join and "
                         "at each collective, before it gives up with an error")
