@@ -244,7 +244,7 @@ def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, 
     if most <= 1:
         return most
     g = torch.Generator().manual_seed(0)
-    linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    linear = torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
     if packed:

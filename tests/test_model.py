@@ -377,29 +377,21 @@ def smollm2_two_layers_bf16():
 
 
 @pytest.mark.all_threads
-def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16():
+@pytest.mark.parametrize("packed", [False, True])
+def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16(packed):
     """In the mode, eager, a verify of as many nodes as model.eager_invariant_rows finds this CPU's
     GEMMs invariant for (up to 32 here) gives every row the bits of one-token steps, however the
     tree lays out its keys (compiled, 64 in the next tests).
     Without the mode a 48-node verify's rows differed from the steps' on the AMX Xeon; on an AMD
     EPYC (AVX-512, no AMX) torch 2.13's eager bf16 GEMMs gave equal rows for 12-128 nodes, so that
-    side depends on the CPU and is not asserted."""
-    model = smollm2_two_layers_bf16()
-    model.invariant_window = 32
-    region = eager_invariant_rows(model, most=EAGER_ROWS_ASKED)
-    steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
-    assert all(torch.equal(logits, steps) for logits in cases.values())
-
-
-@pytest.mark.all_threads
-def test_batch_invariant_eager_verify_rows_equal_one_token_steps_with_packed_linears():
-    """The same with the linears packed, as generate.py runs eager bf16 on a CPU (pack_linears):
-    eager_invariant_rows probes the packed layers themselves. (It looked for nn.Linear only and,
-    finding none, allowed any tree: on an AMD EPYC (Zen 4) the packed 1536 -> 576 down projection
-    rounds calls of 2 rows or more apart, and a verify's rows differed from the steps'.)"""
+    side depends on the CPU and is not asserted.
+    packed: the linears as generate.py runs eager bf16 on a CPU (pack_linears), which
+    eager_invariant_rows probes as packed. (It looked for nn.Linear only and, finding none, allowed
+    any tree: on an AMD EPYC (Zen 4) the packed 1536 -> 576 down projection rounds calls of 2 rows
+    or more apart, and a verify's rows differed from the steps'.)"""
     from model import pack_linears
     model = smollm2_two_layers_bf16()
-    if not pack_linears(model):
+    if packed and not pack_linears(model):
         pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
     model.invariant_window = 32
     region = eager_invariant_rows(model, most=EAGER_ROWS_ASKED)
