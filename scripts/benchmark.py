@@ -602,7 +602,7 @@ def run_mt_bench(args, argv=None) -> dict:
                     answers.append(dict(question_id=q["question_id"], category=q["category"], turn=turn + 1,
                                         method=method, temperature=T, prompt_tokens=len(prompt_ids), tokens=len(ids),
                                         seconds=seconds, rounds=rounds, accepted=accepted, plain_steps=plain_steps,
-                                        equal_to_vanilla=ids == reference if T == 0 else None))
+                                        equal_to_vanilla=ids == reference if T == 0 else None, ids=ids))
                     bar.set_postfix_str(f"q{q['question_id']} T={T:g} {method}: {len(ids) / seconds:.1f} tok/s")
                     bar.update()
                 replies.append(tokenizer.decode([i for i in reference if i not in tokenizer.stop_ids]))
