@@ -4,10 +4,9 @@
     load_draft(path, target_config, ...)     an EAGLE draft folder or one of its weight files
     save_draft(draft, folder)                draft_config.json + draft.safetensors
 
-Files come from convert_hf_checkpoint.py (float targets, converted EAGLE heads), quantize.py
-(int8/int4, the mode in the file name) and scripts/train_eagle.py (heads). Every file read here
-that is missing, cut short or not what its name says gives a one-line error naming the file,
-never a traceback from inside torch's zip reader or safetensors.
+As in gpt-fast, the loader alone adapts a model to its file and device: quantized layers where the
+file holds them, this rank's shard (tp.py), the device's attention kernel. A file that is missing,
+cut short or not what its name says gives a one-line error naming it, never a traceback.
 """
 import json
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 import quantize
 import tp
+from attention import use_attention
 from draft import Eagle3Draft, EagleDraft, eagle3_layer_ids
 from model import ModelArgs, Transformer
 
@@ -50,14 +50,9 @@ def read_json(path) -> dict:
         raise ValueError(f"cannot read {path}: not valid JSON ({e})") from None
 
 
-# ---------------------------------------------------------------------------------------------
-# Targets
-# ---------------------------------------------------------------------------------------------
-def load_model(checkpoint_path, device, dtype, shard: Optional[tp.Shard] = None) -> Transformer:
-    """model.pth as written by convert_hf_checkpoint.py, or model_int8.pth / model_int4.gNN.pth
-    written by quantize.py (the mode is in the name); config from model_config.json beside it
-    or from the folder's name. dtype None keeps the file's float dtype. shard: tensor parallelism,
-    this rank's part only (tp.py), read from the same file by every rank."""
+def load_model(checkpoint_path, device, dtype, shard: Optional[tp.Shard] = None, attention: str = "auto") -> Transformer:
+    """A float or quantized target file, its config from model_config.json beside it or the folder's
+    name. dtype None keeps the file's dtype; shard: this rank's part only (every rank reads the file)."""
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
         raise FileNotFoundError(
@@ -83,13 +78,13 @@ def load_model(checkpoint_path, device, dtype, shard: Optional[tp.Shard] = None)
         raise ValueError(f"{checkpoint_path} does not fit its config {config}:\n{e}") from None
     if tied:  # assign=True replaced the shared Parameter by two; share it again
         model.output.weight = model.tok_embeddings.weight
-    return quantize.pack_int4(model.to(device=device, dtype=dtype).eval())
+    model = quantize.pack_int4(model.to(device=device, dtype=dtype).eval())
+    use_attention(model, attention)
+    return model
 
 
-# ---------------------------------------------------------------------------------------------
-# Drafts: a folder with draft_config.json ({"model": the layer's ModelArgs, "arch": "eagle" or
-# "eagle3", ...}) and draft.safetensors (or a quantized draft_int8 / draft_int4.gNN file).
-# ---------------------------------------------------------------------------------------------
+# Drafts: a folder with draft_config.json (the layer's ModelArgs, "arch": "eagle" or "eagle3", ...)
+# and draft.safetensors (or a quantized draft_int8 / draft_int4.gNN file).
 def save_draft(draft, folder, dtype: Optional[torch.dtype] = None) -> Path:
     from safetensors.torch import save_file
 
@@ -120,12 +115,10 @@ def draft_files(path):
     return folder, folder / DRAFT_CONFIG, weights
 
 
-def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dtype=torch.float32):
-    """A draft folder (its draft.safetensors), or one weights file in it: draft.safetensors as
-    written by save_draft or convert_hf_checkpoint.py --eagle_dir, or draft_int8.safetensors /
-    draft_int4.gNN.safetensors written by quantize.py --draft. Returns an EagleDraft (EAGLE-1/2)
-    or an Eagle3Draft, whichever the folder holds, after checking that it fits the target
-    (target_config None: no target to check against, as when quantizing a draft alone)."""
+def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dtype=torch.float32,
+               attention: str = "auto"):
+    """An EagleDraft or Eagle3Draft from a draft folder or one (float or quantized) weights file in it,
+    checked against the target's config (None: no check, as when quantizing a draft alone)."""
     folder, config_file, weights = draft_files(path)
     meta = read_json(config_file)
     try:
@@ -150,7 +143,9 @@ def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dt
         draft.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{weights} does not match {config_file}: {e}") from None
-    return quantize.pack_int4(draft.to(device=device, dtype=dtype).eval())  # (.to leaves the long vocab map alone)
+    draft = quantize.pack_int4(draft.to(device=device, dtype=dtype).eval())  # (.to leaves the long vocab map alone)
+    use_attention(draft, attention)
+    return draft
 
 
 def check_draft_fits(folder, arch: str, config: ModelArgs, meta: dict, target: ModelArgs):

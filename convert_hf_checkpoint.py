@@ -3,16 +3,8 @@
     python convert_hf_checkpoint.py --checkpoint_dir DIR              # DIR written by save_pretrained
     python convert_hf_checkpoint.py --gguf FILE --checkpoint_dir DIR  # e.g. a llama.cpp Q4_1 file
 
-writes DIR/model.pth (a state dict with model.py's names) and DIR/model_config.json
-({"model": ModelArgs, "tokenizer": what tokenizer.load_tokenizer needs, "source": where it came
-from}); from a GGUF file also DIR/tokenizer.json, rebuilt from the file's metadata.
-
-Supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM (GGUF:
-llama, qwen2), which covers LLaMA-2/3/3.1, Vicuna, Mistral, Mixtral, Qwen2/2.5 and SmolLM2. GGUF
-tensors are dequantized (gguf.quants): the result is an ordinary float checkpoint, not a quantized one.
-
-hf_model_from_ours(model) goes the other way, for scripts/benchmark.py --peers: a loaded model.py
-model as a transformers LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM.
+writes DIR/model.pth and DIR/model_config.json (model, tokenizer, source); from GGUF, dequantized to
+floats, also DIR/tokenizer.json. LLaMA, Mistral, Mixtral and Qwen2; --eagle_dir converts an EAGLE head.
 """
 import argparse
 import json
@@ -25,6 +17,8 @@ import torch
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
+from checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, save_draft
+from draft import Eagle3Draft, EagleDraft
 from model import CONFIG_FILE, ModelArgs
 from tokenizer import gguf_tokenizer_json, gguf_tokenizer_meta, guess_tokenizer_meta
 
@@ -33,12 +27,8 @@ GGUF_ARCHITECTURES = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# ---------------------------------------------------------------------------------------------
-# Hugging Face folders
-# ---------------------------------------------------------------------------------------------
 def convert_hf(checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path:
-    """DIR/model.pth and DIR/model_config.json from the save_pretrained folder DIR; returns the
-    path of model.pth. dtype "auto" keeps the dtype the config declares."""
+    """Writes model.pth and model_config.json into a save_pretrained folder; "auto" keeps its dtype."""
     folder = Path(checkpoint_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
@@ -93,8 +83,7 @@ def model_args_from_hf(config: dict) -> ModelArgs:
         rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rope_scaling=rope_scaling,
         norm_eps=config.get("rms_norm_eps", 1e-6),
-        # Qwen2 always has q/k/v biases; LLaMA's attention_bias would also put one on o_proj,
-        # which model.py lacks: hf_to_model_state_dict then reports it as an unexpected tensor.
+        # Qwen2 always has q/k/v biases. LLaMA's attention_bias also biases o_proj, which is refused.
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=_sliding_window(arch, config),
@@ -107,8 +96,7 @@ def _sliding_window(arch: str, config: dict):
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return config.get("sliding_window")  # None from Mistral-7B-v0.2 on, and in Mixtral
     if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-        # Qwen2 configs carry a sliding_window value that only counts with use_sliding_window, and
-        # then only from layer max_window_layers on. model.py has one window for all layers.
+        # Qwen2's window applies from layer max_window_layers on; model.py has one for all layers.
         n_layer = config["num_hidden_layers"]
         layer_types = config.get("layer_types") or [
             "sliding_attention" if i >= config.get("max_window_layers", n_layer) else "full_attention"
@@ -121,8 +109,7 @@ def _sliding_window(arch: str, config: dict):
 
 
 def load_hf_weights(folder: Path) -> dict:
-    """All tensors of a save_pretrained folder: model.safetensors, pytorch_model.bin, or shards
-    of either listed in an index file."""
+    """All tensors of a save_pretrained folder: safetensors or .bin, whole or sharded."""
     for stem, load in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
         index = folder / f"{stem}.index.json"
         if index.is_file():
@@ -155,9 +142,7 @@ def _load_bin(path: Path) -> dict:
         raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
 
 
-# Hugging Face's names -> model.py's, one table for both directions (hf_to_model_state_dict and
-# model_to_hf_state_dict). Per layer, below model.layers.N. and layers.N.; q/k/v, which model.py
-# keeps as one wqkv matrix, and Mixtral's experts are handled in the code.
+# Hugging Face's per-layer names -> model.py's, both ways (q/k/v and Mixtral's experts: in the code).
 HF_LAYER_NAMES = {
     "self_attn.o_proj.weight": "attention.wo.weight",
     "input_layernorm.weight": "attention_norm.weight",
@@ -171,9 +156,7 @@ HF_DENSE_MLP_NAMES = {  # dense models; Mixtral's feed-forward is _experts()
 
 
 def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
-    """Hugging Face tensor names -> model.py's. q/k/v are concatenated into one wqkv matrix
-    (their rows keep HF's rotate-half RoPE layout, which model.py uses). `weights` is emptied as
-    it goes, so that a large checkpoint is not held twice."""
+    """HF names -> model.py's (q/k/v into wqkv); empties `weights` so a large checkpoint is not held twice."""
 
     def take(name):
         if name not in weights:
@@ -196,8 +179,7 @@ def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
         weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy anyway
     else:
         out["output.weight"] = take("lm_head.weight")
-    # Old checkpoints carry RoPE tables as buffers; model.py computes its own.
-    left = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
+    left = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]  # old RoPE buffers
     if left:
         raise ValueError(f"the checkpoint has tensors model.py has no place for (an unsupported "
                          f"feature?): {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
@@ -205,10 +187,8 @@ def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
 
 
 def _experts(take, weights: dict, hf: str, ours: str, n_experts: int) -> dict:
-    """One Mixtral layer's router and experts, stacked into model.py's [E, out, in] tensors. Hub
-    checkpoints store each expert's w1/w2/w3 (gate/down/up) under block_sparse_moe; transformers 5
-    holds them fused in memory (and writes them so with save_original_format=False):
-    mlp.experts.gate_up_proj [E, 2I, D] (gate rows, then up rows) and mlp.experts.down_proj [E, D, I]."""
+    """One Mixtral layer's router and experts as [E, out, in]: per expert under block_sparse_moe, or
+    fused as transformers 5 writes them (gate_up_proj [E, 2I, D], gate rows first; down_proj [E, D, I])."""
     if hf + "mlp.experts.gate_up_proj" in weights:
         gate_up, down = take(hf + "mlp.experts.gate_up_proj"), take(hf + "mlp.experts.down_proj")
         if gate_up.size(0) != n_experts or down.size(0) != n_experts:
@@ -222,20 +202,14 @@ def _experts(take, weights: dict, hf: str, ours: str, n_experts: int) -> dict:
                for w in ("w1", "w3", "w2")}}
 
 
-# ---------------------------------------------------------------------------------------------
-# Back to Hugging Face: scripts/benchmark.py --peers runs transformers on our checkpoint. The
-# library never imports transformers; these functions import it when they are called.
-# ---------------------------------------------------------------------------------------------
+# Back to Hugging Face, for scripts/benchmark.py --peers; transformers is imported only when called.
 def _require_dense(args: ModelArgs):
     if args.num_experts:  # transformers 4 and 5 lay Mixtral's experts out differently in memory
         raise ValueError("a mixture-of-experts model (Mixtral) cannot be written back to transformers here: dense models only")
 
 
 def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
-    """model.py's tensor names -> Hugging Face's, the inverse of hf_to_model_state_dict: wqkv
-    splits back into q/k/v, whose rows are already in HF's rotate-half layout (nothing to
-    permute). The tensors are shared, not copied. A tied LM head is the embedding, whether
-    state_dict lists output.weight (a module's state dict) or not (model.pth)."""
+    """The inverse of hf_to_model_state_dict (tensors shared); a tied LM head is the embedding."""
     _require_dense(args)
     weights = dict(state_dict)  # emptied as it goes, to find what has no place in a transformers model
 
@@ -267,10 +241,7 @@ def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
 
 
 def hf_config(args: ModelArgs):
-    """The transformers config of a model.py config, the inverse of model_args_from_hf: Qwen2
-    where q/k/v have biases, Mistral where attention has a sliding window, else LLaMA (which
-    covers SmolLM2). Token ids are left unset (None): LlamaConfig's defaults, BOS 1 and EOS 2,
-    are not this model's; generate() is told its stop tokens."""
+    """Qwen2 if q/k/v have biases, Mistral if windowed, else LLaMA; token ids None (not LlamaConfig's)."""
     import transformers
 
     _require_dense(args)
@@ -289,9 +260,7 @@ def hf_config(args: ModelArgs):
 
 
 def hf_model_from_ours(model, attn_implementation: str = "sdpa"):
-    """A transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM with the config and
-    a copy of the weights of `model` (a model.py Transformer), on its device, in its dtype, in eval
-    mode. SDPA attention, as model.py's own decoding uses."""
+    """A transformers copy of `model` on its device and dtype, in eval mode, with SDPA attention."""
     from transformers import AutoModelForCausalLM
 
     weight = model.tok_embeddings.weight
@@ -302,11 +271,7 @@ def hf_model_from_ours(model, attn_implementation: str = "sdpa"):
     return hf.eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# GGUF files
-# ---------------------------------------------------------------------------------------------
-# GGUF tensor names (blk.N. prefix stripped) -> Hugging Face's, so that the GGUF path ends in
-# hf_to_model_state_dict too.
+# GGUF tensor names (blk.N. stripped) -> Hugging Face's: GGUF goes through hf_to_model_state_dict too.
 GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -319,8 +284,7 @@ GGUF_TO_HF = {
 
 
 def convert_gguf(gguf_file, checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path:
-    """DIR/model.pth, DIR/model_config.json and DIR/tokenizer.json from a GGUF file; returns the
-    path of model.pth. dtype "auto" is float32 (the file's own types are quantized ones)."""
+    """model.pth, model_config.json and tokenizer.json in DIR from a GGUF file; "auto" is float32."""
     gguf_file, folder = Path(gguf_file), Path(checkpoint_dir)
     reader = _read_gguf(gguf_file)
     metadata = {name: field.contents() for name, field in reader.fields.items()}
@@ -369,8 +333,7 @@ def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
     def get(key, default=None):
         return metadata.get(f"{arch}.{key}", default)
 
-    # llama.cpp stores LLaMA-3.1 RoPE scaling as a table of per-frequency factors, not as the
-    # parameters model.py takes.
+    # llama.cpp stores LLaMA-3.1 RoPE scaling as per-frequency factors, not model.py's parameters.
     if "rope_freqs.weight" in tensors or get("rope.scaling.type", "none") != "none":
         raise ValueError("GGUF files with RoPE scaling are not supported: convert the Hugging Face checkpoint instead")
     if "token_embd.weight" not in tensors:
@@ -397,8 +360,7 @@ def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
 
 
 def _dequantize(t) -> torch.Tensor:
-    """One GGUF tensor as float32 in PyTorch's [out, in] order. GGUF lists dimensions innermost
-    first (ggml's ne), so the numpy shape is the reverse."""
+    """One GGUF tensor as float32 [out, in]: GGUF lists dimensions innermost first."""
     try:
         w = dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
@@ -414,20 +376,13 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's permutation of LLaMA q/k rows. Within each head, Hugging Face's rotate-half
-    layout holds the two halves of every rotated pair apart, [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}];
-    llama.cpp's converter interleaves them into Meta's original order, [x_0, x_{d/2}, x_1, ...].
-    (Qwen2 GGUF files keep the rotate-half rows: not for them.)"""
+    """Undo llama.cpp's interleaved LLaMA q/k rows, back to HF's rotate-half layout (not for Qwen2)."""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-# ---------------------------------------------------------------------------------------------
-# Published EAGLE heads
-# ---------------------------------------------------------------------------------------------
-# The reference layout (EAGLE's own repository): a LLaMA config.json with num_hidden_layers 1 and
-# fc.weight [h, 2h], fc.bias (LLaMA-2/Vicuna/Mixtral heads; not LLaMA-3), one decoder layer
-# without input_layernorm, and often a frozen copy of the target's embed_tokens.weight.
+# Published EAGLE-1/2 heads (EAGLE's repository): a one-layer LLaMA config.json, fc.weight [h, 2h] with
+# fc.bias (not LLaMA-3's), layers.0 without input_layernorm, often a copy of the target's embedding.
 EAGLE_TO_DRAFT = {
     "layers.0.self_attn.o_proj.weight": "layer.attention.wo.weight",
     "layers.0.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
@@ -438,12 +393,7 @@ EAGLE_TO_DRAFT = {
 
 
 def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
-    """DIR/draft.safetensors + DIR/draft_config.json (checkpoint.load_draft's format) from an EAGLE
-    head in the reference layout in DIR, EAGLE-1/2 or EAGLE-3 (told apart by their tensors);
-    returns the folder. The target's embedding is not kept: the draft always uses the target's own."""
-    from checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, save_draft
-    from draft import EagleDraft
-
+    """Converts the EAGLE-1/2 or EAGLE-3 head in DIR for load_draft; the draft uses the target's embedding."""
     folder = Path(eagle_dir)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json: expected an EAGLE head (config.json + weights)")
@@ -458,7 +408,6 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
         raise ValueError(f"{folder} holds neither an EAGLE-1/2 head (layers.0.*) nor an EAGLE-3 head (midlayer.*): "
                          f"found {', '.join(sorted(weights)[:5]) or 'no tensors'}")
     fc_bias = "fc.bias" in weights
-    # The head's config describes one LLaMA layer, whatever architecture name it carries.
     args = model_args_from_hf({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                                "attention_bias": "layers.0.self_attn.q_proj.bias" in weights})
     if "fc.weight" not in weights or weights["fc.weight"].shape != (args.dim, 2 * args.dim):
@@ -476,9 +425,8 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
 
 
 def _take_head_tensors(weights: dict, attention: str, renames: dict, qkv_bias: bool, folder, kind: str) -> dict:
-    """Pops a reference head's layer tensors into our names: q/k/v concatenated into wqkv, the
-    others renamed. A missing tensor and a tensor left over are both errors: a head converted
-    partially would still decode losslessly, only slowly, and nobody would notice why."""
+    """Pops a reference head's layer tensors into our names. Missing and leftover tensors are errors:
+    a partly converted head would still decode losslessly, only slowly, and nobody would notice."""
     qkv = [f"{attention}.{p}_proj" for p in "qkv"]
     state = {}
     try:
@@ -495,21 +443,15 @@ def _take_head_tensors(weights: dict, attention: str, renames: dict, qkv_bias: b
 
 
 def _assign(draft, state: dict, folder, kind: str):
-    """Loads `state` into a draft built on the meta device (shapes come from config.json)."""
     try:
         draft.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise ValueError(f"the {kind} head in {folder} does not match its config.json: {e}") from None
 
 
-# ---------------------------------------------------------------------------------------------
-# Published EAGLE-3 heads
-# ---------------------------------------------------------------------------------------------
-# The reference layout (EAGLE-3, e.g. EAGLE3-LLaMA3.1-Instruct-8B): a LLaMA config.json with
-# num_hidden_layers 1 and draft_vocab_size; fc.weight [h, 3h] (no bias); midlayer.* (q/k/v read
-# 2h: the normed embedding and the normed feature side by side), its own norm.weight and
-# lm_head.weight [draft_vocab, h]; d2t [draft_vocab] (offsets: target id = i + d2t[i]) and t2d
-# [vocab] (bool); sometimes a frozen copy of the target's embedding.
+# Published EAGLE-3 heads: a one-layer LLaMA config.json with draft_vocab_size; fc.weight [h, 3h];
+# midlayer.* (q/k/v read the normed embedding and feature side by side), norm and lm_head [draft_vocab, h];
+# d2t [draft_vocab] (target id = i + d2t[i]) and t2d [vocab] (bool); maybe a copy of the embedding.
 EAGLE3_TO_DRAFT = {
     "midlayer.self_attn.o_proj.weight": "layer.attention.wo.weight",
     "midlayer.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
@@ -524,8 +466,7 @@ EAGLE3_TO_DRAFT = {
 
 
 def eagle3_vocab(d2t, t2d, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
-    """The target ids of the draft's tokens (ascending) from the reference's d2t offsets, checked
-    against its t2d mask; both absent means the draft speaks the whole target vocabulary."""
+    """The draft tokens' target ids, ascending, from d2t checked against t2d; without both, all ids."""
     if d2t is None and t2d is None:
         if draft_vocab_size != vocab_size:
             raise ValueError(f"draft_vocab_size {draft_vocab_size} < vocab_size {vocab_size} needs the d2t and t2d maps")
@@ -549,9 +490,6 @@ def eagle3_reference_maps(vocab: torch.Tensor, vocab_size: int):
 
 
 def eagle3_draft_from_reference(config: dict, weights: dict, folder):
-    """An Eagle3Draft with the reference head's weights (a meta-free module, ready to save)."""
-    from draft import Eagle3Draft
-
     if config.get("target_hidden_size", config.get("hidden_size")) != config.get("hidden_size"):
         raise ValueError(f"{folder}: a head whose hidden size differs from its target's (target_hidden_size) is not "
                          f"supported: this project's drafts use the target's embedding")
@@ -564,8 +502,7 @@ def eagle3_draft_from_reference(config: dict, weights: dict, folder):
     state = {"fc.weight": fc, "vocab": eagle3_vocab(weights.pop("d2t", None), weights.pop("t2d", None),
                                                      draft_vocab, args.vocab_size)}
     state.update(_take_head_tensors(weights, "midlayer.self_attn", EAGLE3_TO_DRAFT, False, folder, "EAGLE-3"))
-    # The fused layers (2, L//2, L-3) depend on the target, which the head's config does not name:
-    # checkpoint.load_draft derives them from the target it is loaded for.
+    # The fused layers depend on the target, which the config does not name: load_draft derives them.
     with torch.device("meta"):
         draft = Eagle3Draft(args, draft_vocab, layer_ids=None)
     _assign(draft, state, folder, "EAGLE-3")
@@ -579,8 +516,7 @@ def _refuse_to_overwrite(paths, force: bool):
 
 
 def _torch_dtype(dtype: str, auto):
-    """The torch dtype to save in: --dtype, or for "auto" the dtype named by `auto` (the HF
-    config's; None when it names none: then the tensors keep their own)."""
+    """The dtype to save in: dtype, or for "auto" the config's `auto` (None: tensors keep their own)."""
     name = auto if dtype == "auto" else dtype
     if name is None:
         return None
@@ -601,8 +537,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _save_last(state_dict: dict, out: Path):
-    """model.pth is written last and atomically: scripts take its presence to mean the
-    conversion finished, so an interrupted run must not leave a partial one."""
+    """Written last and atomically: scripts take model.pth's presence to mean the conversion finished."""
     partial = out.with_name(out.name + ".partial")
     torch.save(state_dict, partial)
     partial.replace(out)

@@ -35,9 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import (Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, TreeMask, live_kv_len,
-                   precompute_rope)
-from tree import StaticTree, Tree, expand, rerank, tree_structure
+from model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, TreeMask, precompute_rope
+from trees import StaticTree, Tree, expand, rerank, tree_structure
 
 
 def setup_draft_caches(draft, max_batch_size: int, max_seq_length: int):
@@ -57,19 +56,16 @@ def setup_draft_caches(draft, max_batch_size: int, max_seq_length: int):
 
 
 def _positions(draft, embeds: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor], mask):
-    """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot
-    (over the live slots only, eager on a CPU: model.live_kv_len). Returns input_pos, cache_pos,
-    mask and kv_len (None: all slots)."""
+    """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot.
+    Returns input_pos, cache_pos and mask."""
     if draft.max_seq_length < 0:
         raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
     B, n, _ = embeds.shape
     input_pos = input_pos.expand(B, n)
     cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, n)
-    kv_len = None
     if mask is None:
-        kv_len = live_kv_len(cache_pos)
-        mask = torch.arange(kv_len or draft.max_seq_length, device=embeds.device) <= cache_pos[..., None]
-    return input_pos, cache_pos, mask, kv_len
+        mask = torch.arange(draft.max_seq_length, device=embeds.device) <= cache_pos[..., None]
+    return input_pos, cache_pos, mask
 
 
 class EagleDraft(nn.Module):
@@ -93,9 +89,9 @@ class EagleDraft(nn.Module):
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, dim] = f_t (true or
         predicted). Positions, slots and mask (dense or TreeMask) as in Transformer.forward.
         Returns f^_{t+1} [B, n, dim]."""
-        input_pos, cache_pos, mask, kv_len = _positions(self, embeds, input_pos, cache_pos, mask)
+        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
-        return self.layer(x, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask, kv_len)
+        return self.layer(x, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
 
     def log_probs(self, hidden: Tensor, target_head) -> Tensor:
         return F.log_softmax(target_head(hidden).float(), dim=-1)
@@ -162,14 +158,14 @@ class Eagle3Draft(nn.Module):
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, 3 * dim] = the
         target's fused layer inputs at t (fc is applied), or [B, n, dim] = the draft's own output
         at t's parent, inside a tree (used as it is). Returns the layer's output o [B, n, dim]."""
-        input_pos, cache_pos, mask, kv_len = _positions(self, embeds, input_pos, cache_pos, mask)
+        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
         # The draft may run in a lower precision than the target (--draft_dtype): its guesses only
         # decide how many tokens a round accepts, never which tokens come out (the target verifies).
         dtype = self.norm.weight.dtype
         embeds, features = embeds.to(dtype), features.to(dtype)
         if features.size(-1) != self.config.dim:  # the shape says which: no data-dependent branch
             features = self.fc(features)
-        return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask, kv_len)
+        return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
 
     def log_probs(self, hidden: Tensor, target_head=None) -> Tensor:
         return F.log_softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)

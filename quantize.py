@@ -1,35 +1,24 @@
 """Weight-only int8 and int4 quantization of a model.py Transformer or an EAGLE draft (gpt-fast style).
 
-    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int8
-    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
-    python quantize.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
+    python scripts/quantize_checkpoint.py --checkpoint_path checkpoints/NAME/model.pth --mode int8
+    python scripts/quantize_checkpoint.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
+    python scripts/quantize_checkpoint.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
 
-write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming), or
-draft_int8.safetensors / draft_int4.g32.safetensors beside draft.safetensors. checkpoint.load_model and
-checkpoint.load_draft read the mode from the file name and check it against the file's contents:
-
-    python generate.py --checkpoint_path checkpoints/NAME/model_int8.pth --speculate eagle2 \
-        --draft_checkpoint_path checkpoints/NAME/eagle/draft_int8.safetensors
-
-Every nn.Linear is replaced, the LM head included; a tied LM head (SmolLM2, small Qwen2) gets its
-own quantized copy and the embedding table stays in float, as do norms and biases.
+write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming; drafts likewise). The
+loader reads the mode from the file name, checks it against the contents and swaps the layers
+(prepare_for_loading). Every nn.Linear is replaced, a tied LM head gets its own quantized copy;
+embeddings, norms and biases stay in float.
 
     int8  symmetric, one scale per output channel: W ~ q * s, q in [-127, 127].
     int4  asymmetric, one scale and zero per group of `groupsize` input columns:
           W ~ (q - 8) * s + z, q in [0, 15], the form torch's int4 matmul kernels take.
 
-Quantization is lossless in the sense that matters here: speculative decoding on a quantized
-target gives exactly the output of vanilla decoding on the same quantized target.
-
-int4 files are device-independent: they hold the 4-bit values two to a byte ([out, in / 2], even
-column in the high nibble) and are repacked into the layout of the device's kernel at load time
-(pack_int4), because torch's packed layouts differ between CPU and CUDA and across versions.
+Speculative decoding on a quantized target gives exactly vanilla decoding's output on that target.
+int4 files hold portable nibbles (two to a byte, even column high), repacked for the device's kernel
+at load time (pack_int4): torch's packed layouts differ between CPU and CUDA and across versions.
 """
-import argparse
-import contextlib
 import functools
 import re
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -40,39 +29,29 @@ from torch import Tensor
 
 from model import Experts
 
-# The W8A16 Triton kernel for several rows on CUDA (without Triton those rows take the cast).
-# Imported only where CUDA is: Triton decorates its own library when it is first imported, and a
-# CPU process that imported it before setting TRITON_INTERPRET=1 (as the tests do) could not run
-# any kernel in the interpreter.
+# The W8A16 Triton kernel, imported only where CUDA is: a CPU process that imported Triton before
+# setting TRITON_INTERPRET=1 (as the tests do) could not run any kernel in the interpreter.
 int8_matmul = None
 if torch.cuda.is_available():
     try:
-        from int8_matmul import int8_matmul
+        from kernels.int8_matmul import int8_matmul
     except (ImportError, AttributeError):
         pass
 
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept, on CPU and CUDA alike
 INT4_N_MULTIPLE = 16  # the CPU packing needs out_features % 16 == 0 (CUDA: % 8); rows are padded to it
 CPU_INT8_KERNEL_ROWS = 16  # up to this many rows, int8 layers on CPU use aten._weight_int8pack_mm
-# On CUDA, int8 layers give 2 .. CUDA_INT8_KERNEL_ROWS rows to int8_matmul.py's kernel, which reads
-# the int8 weight once; one row (Inductor's fused GEMV reads int8 already) and more rows (a
-# prefill: arithmetic-bound, cuBLAS) take the cast. int4 layers give up to CUDA_INT4_KERNEL_ROWS
-# rows to torch's int4 kernel and dequantize for cuBLAS beyond (WeightOnlyInt4Linear.forward).
-# Both to be tuned on the GPU (scripts/tune_kernels.py).
+# On CUDA, 2 .. CUDA_INT8_KERNEL_ROWS rows go to the int8 kernel (one row: Inductor's GEMV reads int8
+# already; a prefill: cuBLAS after the cast); int4 dequantizes for cuBLAS above CUDA_INT4_KERNEL_ROWS.
 CUDA_INT8_KERNEL_ROWS = 128
 CUDA_INT4_KERNEL_ROWS = 128
-# An eager dequantization (int4 prefill on CUDA) works through a layer in pieces of at most this
-# many weights, so that its float32 intermediate stays at 64 MB rather than a float32 copy of the
-# whole layer (LLaMA-3's LM head: 2.1 GB) on top of the compute-dtype copy cuBLAS reads.
+# An eager dequantization works through a layer this many weights at a time, so that it never holds
+# a float32 copy of a whole layer on top of the copy cuBLAS reads.
 DEQUANTIZE_CHUNK = 1 << 24
 
 
-# ---------------------------------------------------------------------------------------------
-# int8: symmetric per output channel
-# ---------------------------------------------------------------------------------------------
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w [..., out, in] -> (q int8 [..., out, in], scales float32 [..., out]) with w ~ q * scales[..., None].
-    Any leading dims are kept, so a stack of expert weights [E, out, in] quantizes the same way."""
+    """w [..., out, in] -> (q int8, scales float32 [..., out]) with w ~ q * scales[..., None]."""
     w = w.float()
     scales = w.abs().amax(dim=-1).clamp(min=1e-10) / 127  # an all-zero row gets a tiny scale, not 0/0
     q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
@@ -83,39 +62,14 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
     return q.float() * scales[..., None].float()
 
 
-# ---------------------------------------------------------------------------------------------
-# Batch-invariant mode compiled on a CPU: which code computes the int8 and int4 layers
-# ---------------------------------------------------------------------------------------------
-# The mode needs each row of a layer to come out the same however many rows are computed
-# together. Compiled, Inductor lowers torch's int8 op to its own C++ GEMM template (max-autotune,
-# "CPP" only in the mode: speculative.CPU_INVARIANT). Its micro-kernel for bf16 activations and
-# int8 weights on AVX-512 and AVX2 (CppMicroGemmFP32Vec) keeps a float32 accumulator per output
-# and adds the products one k after the other, K blocks in order into a float32 buffer, with no
-# split of K across threads (gemm_max_k_slices 1), for the frozen weight the template packs: the
-# same sums for any row count. Measured on a Zen 5 (AVX-512, torch 2.13; AVX2 runs the same code,
-# not measured): SmolLM2's int8 shapes (576 -> 192, 576, 960, 1536, 3072, 49152; 1536 -> 576),
-# each row of 2-64-row calls equal to the one-row call's bit for bit. With AMX it is
-# another micro-kernel from 5 rows on (tile dot products that add pairs of products; skipped below
-# 5 rows for weight-only GEMMs), and an AMX Xeon gave 4 of 8 and 26 of 30 rows of SmolLM2 verifies
-# apart from the one-token steps'; other CPUs have no int8 template at all. There the mode keeps
-# torch's own CPU kernel, which gives each row the same bits for 1-128 rows, as a custom op that
-# Inductor cannot lower (int8_rows). Where the template serves, a step runs the code of plain
-# decoding's compiled step (a Zen 5, bf16, three runs: the mode's step -3 to +3 %, a round +6 to
-# +12 %, against +29 % and +19 % through the kernel; a Zen 4, one run: +4.7 %, +7.5 %;
-# benchmarks/README.md).
-# int4 likewise: Inductor's int4 template has a micro-kernel for AVX-512 only
-# (CppMicroGemmWoQInt4Avx512: bf16 activations, groups of 32, 64 or 128 columns, a multiple of 64
-# outputs), which turns each k's 4-bit weights into float32 (a lookup, then scale and zero by one
-# fma) and adds their products to each output's float32 accumulator k after k: rows independent of
-# the row count again (with AMX, another micro-kernel from 5 rows on). A layer of another shape
-# has no template, and with "CPP" only it would not compile at all, so it keeps torch's int4 kernel
-# (int4_rows_cpu, which Inductor compiles to a direct call of the kernel:
-# lower_int4_rows_to_the_kernel); so does every int4 layer on a CPU without AVX-512 or with AMX.
-# (A Zen 4, group 32: the template, three runs: the mode's step +0.9 to +9.5 %, a round +7.9 to
-# +11.6 %, and since the window attention's recent call runs in float32 (2026-11-30) a step +11.1,
-# +6.3, +5.3 %, a round +11.3, +8.1, +6.7 %, so that generate.batch_invariant_by_default turns the
-# mode on for int4 files where the template serves; the kernel called directly, one run: +11.1 %
-# and +14.4 %; the kernel called back through Python, as before 2026-11-29: +44 % and +31 %.)
+# Batch-invariant mode compiled on a CPU needs each row of a layer to come out the same however many
+# rows come together. For the frozen weights they pack, Inductor's C++ int8 template (AVX2/AVX-512)
+# and int4 template (AVX-512; bf16, groups of 32-128, outputs a multiple of 64) accumulate each output
+# in float32 k after k, without splitting K: rows independent of the row count (tests/test_quantize.py).
+# With AMX their micro-kernels add pairs of products and differ by row count. Elsewhere, and for shapes
+# the int4 template lacks (with "CPP" only, compiling.CPU_INVARIANT, they would not compile), layers
+# keep torch's own row-count invariant CPU kernel as an op Inductor cannot lower (int8_rows,
+# int4_rows_cpu). Costs: benchmarks/RESULTS.md, "Batch-invariant cost".
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
 INDUCTOR_INT4_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() == "AVX512"
@@ -137,12 +91,9 @@ def _(x, weight, scales):
 
 @functools.cache
 def lower_int8_rows_to_the_kernel():
-    """Inductor: compile int8_rows into a direct call of torch's int8 kernel from the compiled code
-    rather than a call of the custom op, which the compiled code makes back through Python (a
-    576 x 576 int8 layer, one bf16 row, in a compiled graph: 18.2 us a call through the custom op,
-    9.5 direct, 7.2 eager; SmolLM2 has 151 such layers a step). The bits are the kernel's either way.
-    Registered at the first compile of a batch-invariant CPU graph (speculative.cpu_backend), not at
-    import: importing Inductor costs every script a second. (int4_rows_cpu: the next function.)"""
+    """Compile int8_rows into a direct call of torch's int8 kernel, not a slower call back through
+    Python; the bits are the kernel's either way. Registered at the first batch-invariant CPU compile
+    (compiling.cpu_backend), since importing Inductor at import time would slow every script."""
     from torch._inductor.lowering import fallback_handler, register_lowering
     kernel = fallback_handler(torch.ops.aten._weight_int8pack_mm.default, add_to_fallback_set=False)
     register_lowering(torch.ops.eagle_gpt_fast.int8_rows, type_promotion_kind=None)(kernel)
@@ -162,11 +113,8 @@ def _(x, weight, groupsize, scales_and_zeros):
 
 @functools.cache
 def lower_int4_rows_to_the_kernel():
-    """Inductor: compile int4_rows_cpu into a direct call of torch's int4 kernel from the compiled
-    code, as lower_int8_rows_to_the_kernel does for int8. A fallback of the op itself would call
-    back through Python (torch 2.13's C shim has no entry for _weight_int4pack_mm_for_cpu); Inductor's
-    own lowering of that op with ATen as its only backend emits its extern choice instead, a call of
-    aoti_torch_cpu__weight_int4pack_mm_cpu_tensor: the same kernel, so the same bits."""
+    """lower_int8_rows_to_the_kernel for int4. The C shim has no fallback entry for this op, so it
+    reuses Inductor's own lowering with ATen as its only backend: the same kernel, so the same bits."""
     from torch._inductor import config
     from torch._inductor.lowering import lowerings, register_lowering
     aten_lowering = lowerings[torch.ops.aten._weight_int4pack_mm_for_cpu.default]
@@ -201,13 +149,9 @@ class WeightOnlyInt8Linear(nn.Module):
         scales = self.scales.to(x.dtype)
         rows = x.numel() // self.in_features
         if x.is_cpu and x.dtype != torch.float32 and (rows <= CPU_INT8_KERNEL_ROWS or self.row_invariant):
-            # torch's CPU kernel for int8 weights reads them as they are: measured 2-5x faster than
-            # casting the weight for a few rows (a decode step, a draft level), slower for many rows
-            # (tree verification) and in float32. Its rows do not depend on how many there are
-            # (1-128 measured, bf16), so batch-invariant mode takes it for every row count: the
-            # switch to the cast would round a verify's rows apart from the one-token step's.
-            # (Compiled in the mode: Inductor's template, or with AMX the kernel as an opaque op:
-            # see INDUCTOR_INT8_ROWS_INVARIANT.)
+            # torch's CPU int8 kernel beats casting the weight for a few rows, not for many. Its rows
+            # do not depend on how many there are, so batch-invariant mode takes it for every row
+            # count: switching to the cast would round a verify's rows apart from a step's.
             opaque = self.row_invariant and torch.compiler.is_compiling() and not INDUCTOR_INT8_ROWS_INVARIANT
             matmul = int8_rows if opaque else torch.ops.aten._weight_int8pack_mm
             y = matmul(x.reshape(-1, self.in_features), self.weight, scales)
@@ -217,8 +161,7 @@ class WeightOnlyInt8Linear(nn.Module):
             y = int8_matmul(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
-            # gpt-fast's form: the int8 -> x.dtype cast (exact) fuses into the matmul's weight load
-            # under torch.compile, and the per-channel scale is applied to the few outputs.
+            # gpt-fast's form: under torch.compile the exact cast fuses into the matmul's weight load.
             y = F.linear(x, self.weight.to(x.dtype)) * scales
         return y if self.bias is None else y + self.bias
 
@@ -227,9 +170,7 @@ class WeightOnlyInt8Linear(nn.Module):
 
 
 class WeightOnlyInt8Experts(nn.Module):
-    """model.Experts (a mixture-of-experts' stacked weights [E, out, in]) in int8, one scale per
-    expert and output channel; the same gathered/dense interface, each computing
-    (x @ q^T) * scales like WeightOnlyInt8Linear."""
+    """model.Experts ([E, out, in]) in int8, one scale per expert and output channel."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int):
         super().__init__()
@@ -254,60 +195,26 @@ class WeightOnlyInt8Experts(nn.Module):
 
 
 def set_row_invariant(model: nn.Module, on: bool = True) -> nn.Module:
-    """For batch-invariant mode (model.Transformer.invariant_window): quantized layers compute
-    each row the same way however many rows come together. On a CPU in bf16, int8 layers then use
-    torch's int8 kernel for any number of rows (WeightOnlyInt8Linear.forward); int4 layers already
-    use one kernel for every row count there, and it is row-count invariant (measured 1-128 rows).
-    Compiled, int8 layers go to Inductor's C++ template (on a CPU with AMX or without AVX2 to the
-    kernel as an opaque op, int8_rows: INDUCTOR_INT8_ROWS_INVARIANT), int4 layers to Inductor's int4
-    template where it takes them on an AVX-512 CPU without AMX, else to the kernel, called directly
-    from the compiled code (int4_rows_cpu; WeightOnlyInt4Linear.template_invariant)."""
+    """For batch-invariant mode (invariant.py): quantized layers compute each row the same way however
+    many rows come together. On a CPU, eager layers use torch's kernels for every row count; compiled,
+    Inductor's templates where their rows are invariant, else the kernels as opaque ops (see above)."""
     for m in model.modules():
         if isinstance(m, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
             m.row_invariant = on
     return model
 
 
-def prefill_rows(model: nn.Module):
-    """A context in which model's int8 layers compute as outside batch-invariant mode: for an eager
-    prefill, whose rows no other forward's need to equal (plain and speculative decoding prefill a
-    prompt with the same code and shapes, as model.Transformer.forward's attention assumes too).
-    In the mode they would take torch's int8 kernel for every row of a prompt, where the cast and a
-    bf16 GEMM are faster from 17 rows on (SmolLM2, 200 tokens: a Zen 5 207 against 123 ms, a Zen 4
-    591 against 278 ms). While compiling, a context that does nothing: compiled layers are the
-    template already (INDUCTOR_INT8_ROWS_INVARIANT), and dynamo would have to trace the flags'
-    changes. int4 layers run one kernel eager either way."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _int8_layers_out_of_the_mode(model)
-
-
-@contextlib.contextmanager
-def _int8_layers_out_of_the_mode(model: nn.Module):
-    layers = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear) and m.row_invariant]
-    for m in layers:
-        m.row_invariant = False
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.row_invariant = True
-
-
-# ---------------------------------------------------------------------------------------------
-# int4: asymmetric per group of input columns, packed for torch's int4 matmul kernels
-# ---------------------------------------------------------------------------------------------
-def _check_groupsize(groupsize: int):
+# int4: asymmetric per group of input columns, packed for torch's int4 matmul kernels.
+def check_groupsize(groupsize: int):
     if groupsize not in GROUPSIZES:
         raise ValueError(f"int4 groupsize must be one of {', '.join(map(str, GROUPSIZES))} "
                          f"(what torch's int4 kernels accept), got {groupsize}")
 
 
 def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor]:
-    """w [out, in] with in % groupsize == 0 -> (q uint8 [out, in] in 0..15, scales_and_zeros
-    bfloat16 [in / groupsize, out, 2]) with w ~ (q - 8) * scale + zero per group.
-
-    Scale and zero are rounded to bfloat16 (the CUDA kernel takes nothing else) before q is
-    computed from them, so that q is the best code for the parameters actually used."""
-    _check_groupsize(groupsize)
+    """w [out, in] -> (q uint8 in 0..15, scales_and_zeros bf16 [in / groupsize, out, 2]). Scale and
+    zero are rounded to bf16 (all the CUDA kernel takes) before q, so q is best for the stored ones."""
+    check_groupsize(groupsize)
     out_features, in_features = w.shape
     if in_features % groupsize:
         raise ValueError(f"in_features {in_features} is not a multiple of groupsize {groupsize}: pad it first")
@@ -331,9 +238,8 @@ def dequantize_int4(q: Tensor, scales_and_zeros: Tensor, groupsize: int) -> Tens
 
 def dequantize_int4_as(nibbles: Tensor, scales_and_zeros: Tensor, groupsize: int, dtype: torch.dtype,
                        chunk: int = DEQUANTIZE_CHUNK) -> Tensor:
-    """dequantize_int4(unpack_nibbles(nibbles), ...).to(dtype), bit for bit, with the float32 work
-    done chunk weights (whole rows) at a time in eager mode. Compiled, the whole layer is one
-    expression: Inductor fuses it into one kernel that writes dtype and holds no float32 copy."""
+    """dequantize_int4(unpack_nibbles(nibbles), ...).to(dtype), bit for bit, chunk weights at a time in
+    eager mode; compiled, Inductor fuses the whole layer into one kernel with no float32 copy."""
     out_features, in_features = nibbles.size(0), 2 * nibbles.size(1)
     rows = max(1, chunk // in_features)
     if torch.compiler.is_compiling() or rows >= out_features:
@@ -345,8 +251,7 @@ def dequantize_int4_as(nibbles: Tensor, scales_and_zeros: Tensor, groupsize: int
 
 
 def pack_nibbles(q: Tensor) -> Tensor:
-    """uint8 [out, in] values 0..15 -> uint8 [out, in / 2], the even column in the high nibble
-    (the input layout of aten._convert_weight_to_int4pack since torch 2.5)."""
+    """uint8 [out, in] in 0..15 -> [out, in / 2], even column high (_convert_weight_to_int4pack's input)."""
     return (q[:, ::2] << 4) | q[:, 1::2]
 
 
@@ -355,12 +260,9 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 
 
 def int4_kernel(device: torch.device):
-    """(pack, matmul, compute dtype) for the int4 kernel of this device, or a clear error.
-
-    pack(nibbles uint8 [N, K / 2]) -> the device's packed weight; matmul(x [M, K], packed,
-    groupsize, scales_and_zeros [K / groupsize, N, 2]) -> [M, N]. The signatures moved:
-    CUDA's _convert_weight_to_int4pack took int32 [N, K] before torch 2.5 and uint8 [N, K / 2]
-    since; CPU got its own _for_cpu pair (int32 [N, K] input) in torch 2.6."""
+    """(pack, matmul, compute dtype) for this device's int4 kernel, or a clear error. pack(nibbles
+    [N, K / 2]) -> packed weight; matmul(x [M, K], packed, groupsize, scales_and_zeros) -> [M, N].
+    The packing signatures changed across torch versions (int32 [N, K] or uint8 nibbles)."""
     aten, version = torch.ops.aten, tuple(int(v) for v in torch.__version__.split(".")[:2])
     if device.type == "cpu":
         if not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
@@ -380,8 +282,7 @@ def int4_kernel(device: torch.device):
 
         def pack(nibbles):
             K = nibbles.size(1) * 2
-            # innerKTiles sets how many 16-column k-tiles a thread reads at once; K must be a multiple
-            # of 16 * innerKTiles, so take the largest that divides K (K is a multiple of 32).
+            # innerKTiles: 16-column k-tiles a thread reads at once; the largest with K % (16 * t) == 0.
             inner_k_tiles = next(t for t in (8, 4, 2) if K % (16 * t) == 0)
             w = nibbles if uint8_input else unpack_nibbles(nibbles).int()
             return aten._convert_weight_to_int4pack(w.contiguous(), inner_k_tiles)
@@ -390,19 +291,14 @@ def int4_kernel(device: torch.device):
 
 
 class WeightOnlyInt4Linear(nn.Module):
-    """y = x @ dequant(W)^T + bias with the 4-bit weight read by torch's int4 matmul kernel.
-
-    Sizes the kernels cannot take are padded: in_features up to a multiple of groupsize (zero
-    weight columns that meet zero-padded inputs), out_features up to a multiple of 16 (rows whose
-    outputs are dropped). The padding is stored in the file and counted in its size.
-
-    weight holds the portable nibbles ([out_pad, in_pad / 2]) until pack() replaces them by the
-    device's packed layout; forward needs the packed form. Files are written from unpacked layers
-    (quantize_model): a packed layer's state dict is tied to its device and torch version."""
+    """y = x @ dequant(W)^T + bias, the 4-bit weight read by torch's int4 kernel. in_features is padded
+    to a multiple of groupsize (zero columns meet zero inputs), out_features to one of 16 (outputs
+    dropped). weight holds portable nibbles until pack() repacks it for the device; files are written
+    from unpacked layers, since a packed state dict is tied to its device and torch version."""
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
-        _check_groupsize(groupsize)
+        check_groupsize(groupsize)
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         self.in_padded = -(-in_features // groupsize) * groupsize
         self.out_padded = -(-out_features // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
@@ -429,9 +325,8 @@ class WeightOnlyInt4Linear(nn.Module):
         return m
 
     def pack(self):
-        """Repack the nibbles for the kernel of the device they are on (after .to(device, dtype)).
-        On CUDA the nibbles stay too, for more rows than the kernel takes well (forward): the
-        layer's int4 weight twice, never a float copy."""
+        """Repack the nibbles for their device's kernel. On CUDA the nibbles stay too, for the
+        dequantized path of many rows (forward): the int4 weight twice, never a float copy."""
         if self.packed_for is not None:
             return
         pack, self._matmul, dtype = int4_kernel(self.weight.device)
@@ -451,10 +346,8 @@ class WeightOnlyInt4Linear(nn.Module):
         if self.in_padded != self.in_features:
             x2 = F.pad(x2, (0, self.in_padded - self.in_features))
         if x.is_cuda and x2.size(0) > CUDA_INT4_KERNEL_ROWS:
-            # torch's int4 kernel reads every weight again for each 16-row tile (ceil(M / 16) x 0.5
-            # bytes per weight); dequantizing (Inductor fuses it into one kernel) and cuBLAS read
-            # the nibbles once and write and read a bf16 weight (~4.5 bytes per weight): by bytes
-            # the kernel wins up to ~128 rows, a prefill is better off here.
+            # The int4 kernel rereads the weight for every 16-row tile; for a prefill, dequantizing
+            # once and cuBLAS read fewer bytes.
             w = dequantize_int4_as(self.nibbles, self.scales_and_zeros, self.groupsize, x2.dtype)
             y = F.linear(x2, w)[:, :self.out_features]
         else:
@@ -466,8 +359,7 @@ class WeightOnlyInt4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def template_invariant(self) -> bool:
-        """Whether Inductor's int4 template computes this layer, compiled on this CPU, with rows
-        that do not depend on the row count (INDUCTOR_INT4_ROWS_INVARIANT and a shape it takes)."""
+        """Whether Inductor's int4 template, row-count invariant on this CPU, takes this layer's shape."""
         return (INDUCTOR_INT4_ROWS_INVARIANT and self.groupsize in INT4_TEMPLATE_GROUPSIZES
                 and self.out_padded % INT4_TEMPLATE_N_MULTIPLE == 0 and self.scales_and_zeros.dtype == torch.bfloat16)
 
@@ -485,12 +377,9 @@ def pack_int4(model: nn.Module) -> nn.Module:
     return model
 
 
-# ---------------------------------------------------------------------------------------------
-# Whole models: quantize in memory, and rebuild the quantized structure before loading a file
-# ---------------------------------------------------------------------------------------------
+# Whole models: quantize in memory, and rebuild the quantized structure before loading a file.
 def _swap_linears(model: nn.Module, make, kind=nn.Linear) -> list:
-    """Replace each nn.Linear (or module of type kind) `lin` named `name` for which make(name, lin)
-    gives a module; returns the names."""
+    """Replace each module of type kind by make(name, module) where that is not None; returns the names."""
     swapped = []
     for name, lin in list(model.named_modules()):
         if isinstance(lin, kind):
@@ -502,11 +391,8 @@ def _swap_linears(model: nn.Module, make, kind=nn.Linear) -> list:
 
 
 def quantize_model(model: nn.Module, mode: str, groupsize: int = 32) -> list:
-    """Replace every nn.Linear of model (a Transformer or an EagleDraft) by its int8 or int4
-    version, in place; int4 layers stay unpacked (pack_int4 packs them for their device).
-    Returns lines that say what was done. int8 also quantizes a mixture-of-experts' expert stacks
-    (model.Experts); the embedding table and norms stay as they are, and so do the expert stacks
-    in int4."""
+    """Replace every nn.Linear by its int8 or int4 version in place (int4 unpacked; int8 also takes
+    expert stacks); returns lines that say what was done."""
     if mode == "int8":
         swapped = _swap_linears(model, lambda name, lin: WeightOnlyInt8Linear.from_linear(lin))
         stacks = _swap_linears(model, lambda name, e: WeightOnlyInt8Experts.from_experts(e), kind=Experts)
@@ -558,11 +444,9 @@ def quantized_path(path, mode: str, groupsize: int) -> Path:
 
 
 def prepare_for_loading(model: nn.Module, state_dict: dict, path) -> nn.Module:
-    """Before model.load_state_dict(state_dict, assign=True) on a (meta-device) model: give each
-    nn.Linear that the file holds quantized an empty quantized module of the same shape. Which
-    layers are quantized, and the int4 groupsize, are read off the file's tensors; the file's name
-    must say the same (gpt-fast naming), so that a float file named model_int8.pth, or an int4 file
-    renamed model.pth, is an error rather than a silent mix-up. Follow the load with pack_int4."""
+    """Before load_state_dict(assign=True) on a meta model: an empty quantized module for each layer the
+    file holds quantized (read off its tensors). The file's name must say the same, so that a renamed
+    file is an error rather than a silent mix-up. Follow the load with pack_int4."""
     found = set()
 
     def make(name, lin):
@@ -595,82 +479,3 @@ def prepare_for_loading(model: nn.Module, state_dict: dict, path) -> nn.Module:
 
 def _mode_name(mode, groupsize) -> str:
     return "float" if mode is None else mode if mode == "int8" else f"int4 groupsize {groupsize}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line. Everything above depends on model.py alone; the command reads and writes files
-# through checkpoint.py (which builds on the layers above), imported where it is used so that
-# importing this module never pulls it in.
-# ---------------------------------------------------------------------------------------------
-def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
-    """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; returns the new path."""
-    from checkpoint import load_model
-
-    path = Path(path)
-    if mode_from_path(path)[0] is not None:
-        raise ValueError(f"{path.name} is already quantized: quantize the float model.pth")
-    out = quantized_path(path, mode, groupsize)
-    _refuse_to_overwrite(out, force)
-    model = load_model(path, "cpu", dtype=None)  # dtype None: the float parts keep the file's dtype
-    for line in quantize_model(model, mode, groupsize):
-        print(line)
-    if model.config.tie_embeddings:
-        print("  tied LM head: quantized as its own copy; tok_embeddings.weight stays in float")
-    torch.save(model.state_dict(), out)
-    _report_written(out, path)
-    return out
-
-
-def quantize_draft(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
-    """An EAGLE draft folder (or its draft.safetensors) -> draft_int8.safetensors /
-    draft_int4.gNN.safetensors in the same folder; returns the new path."""
-    from safetensors.torch import save_file
-
-    from checkpoint import DRAFT_WEIGHTS, draft_files, load_draft
-
-    _, _, weights = draft_files(path)
-    if mode_from_path(weights)[0] is not None:
-        raise ValueError(f"{weights.name} is already quantized: quantize the float {DRAFT_WEIGHTS}")
-    out = quantized_path(weights, mode, groupsize)
-    _refuse_to_overwrite(out, force)
-    draft = load_draft(weights)  # no target at hand to check it against
-    for line in quantize_model(draft, mode, groupsize):
-        print(line)
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out))
-    _report_written(out, weights)
-    return out
-
-
-def _refuse_to_overwrite(path: Path, force: bool):
-    if path.exists() and not force:
-        raise FileExistsError(f"refusing to overwrite {path}: pass --force to replace it")
-
-
-def _report_written(out: Path, source: Path):
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; {source.name}: {source.stat().st_size / 1e6:.1f} MB)")
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct/model.pth"),
-                   help="model.pth; with --draft, an EAGLE draft folder or its draft.safetensors")
-    p.add_argument("--mode", choices=["int8", "int4"], required=True)
-    p.add_argument("--groupsize", type=int, default=None,
-                   help=f"int4: input columns per scale/zero, one of {', '.join(map(str, GROUPSIZES))} (default 32)")
-    p.add_argument("--draft", action="store_true", help="quantize an EAGLE draft instead of a target model")
-    p.add_argument("--force", action="store_true", help="overwrite an existing quantized file")
-    args = p.parse_args(argv)
-    if args.groupsize is not None and args.mode != "int4":
-        p.error("--groupsize applies to --mode int4 only")
-    groupsize = 32 if args.groupsize is None else args.groupsize
-    try:
-        if args.mode == "int4":
-            _check_groupsize(groupsize)
-        quantize = quantize_draft if args.draft else quantize_checkpoint
-        return quantize(args.checkpoint_path, args.mode, groupsize, args.force)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        sys.exit(f"error: {e}")
-
-
-if __name__ == "__main__":
-    main()

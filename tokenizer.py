@@ -1,21 +1,13 @@
 """Tokenizers and chat templates for the models model.py runs.
 
-Two runtime backends behind one small class, `Tokenizer`:
+`Tokenizer` wraps sentencepiece (tokenizer.model: LLaMA-2, Vicuna) or Hugging Face `tokenizers`
+(tokenizer.json: LLaMA-3, SmolLM2, Qwen2, Mistral); `gguf_tokenizer_json` rebuilds a tokenizer.json
+from a GGUF file's metadata. BOS, stop tokens and the chat template come from the "tokenizer" section
+of model_config.json, or `guess_tokenizer_meta` works them out from the folder.
 
-    tokenizer.model   sentencepiece             LLaMA-2, Vicuna
-    tokenizer.json    Hugging Face `tokenizers` LLaMA-3, SmolLM2, Qwen2, Mistral
-
-and a third way in: GGUF files carry their vocabulary as metadata, from which
-`gguf_tokenizer_json` rebuilds an equivalent tokenizer.json (convert_hf_checkpoint.py writes it).
-
-What a model needs besides its vocabulary (BOS id and whether to add it, the stop tokens, the chat
-template) is the "tokenizer" section of model_config.json, written by the converter; without that
-file, `guess_tokenizer_meta` works it out from the folder, as gpt-fast style folders need.
-
-Chat templates are plain functions that return a list of pieces: ints are token ids (special
-tokens, looked up by name), strings are text encoded without BOS. Building ids from pieces rather
-than from one rendered string is what lets sentencepiece, which does not parse "<s>" in text,
-produce the same ids as Hugging Face's tokenizers.
+Chat templates return pieces: ints are token ids, strings are text encoded without BOS. Building ids
+from pieces rather than one rendered string lets sentencepiece, which does not parse "<s>" in text,
+give the same ids as Hugging Face's tokenizers.
 """
 import json
 import re
@@ -28,16 +20,14 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 CONFIG_FILE = "model_config.json"  # model.py's CONFIG_FILE; not imported, to keep this file torch-free
 
-# Tokens that end a turn or a document, in any of the supported vocabularies. Stop ids are those
-# the vocabulary has, plus the EOS id(s) the model declares.
+# Tokens that end a turn or a document in any supported vocabulary; stop ids add the declared EOS.
 END_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>")
 
 
 class Tokenizer:
     def __init__(self, path, bos_id: Optional[int] = None, add_bos: bool = False, stop_ids=(),
                  chat_template: Optional[str] = None, system_prompt: Optional[str] = None):
-        """path: a tokenizer.model (sentencepiece) or tokenizer.json (tokenizers); the rest is the
-        "tokenizer" section of model_config.json (see load_tokenizer)."""
+        """path: tokenizer.model or tokenizer.json; the rest is model_config.json's "tokenizer" section."""
         path = Path(path)
         self.sp = self.hf = None
         if path.suffix == ".model":
@@ -60,8 +50,7 @@ class Tokenizer:
         return [self.bos_id] + ids if add and self.bos_id is not None else ids
 
     def decode(self, ids) -> str:
-        """Special tokens are shown (e.g. "<|im_end|>"), except a leading BOS that encode added
-        by default. sentencepiece never shows its control tokens <s> and </s>."""
+        """Shows special tokens (sentencepiece's <s>, </s> excepted), but not a BOS encode added."""
         ids = list(ids)
         if self.add_bos and ids[:1] == [self.bos_id]:
             ids = ids[1:]
@@ -84,8 +73,7 @@ class Tokenizer:
         return i
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> list:
-        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> token ids,
-        ending with the assistant's header when add_generation_prompt."""
+        """[{"role": ..., "content": ...}, ...] -> token ids, ending with the assistant's header."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (see the \"tokenizer\" section of "
                              f"{CONFIG_FILE}); known templates: {', '.join(CHAT_TEMPLATES)}")
@@ -104,16 +92,13 @@ class Tokenizer:
         return ids + self.encode(text, bos=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# Chat templates: (tokenizer, messages, add_generation_prompt) -> pieces (int = id, str = text)
-# ---------------------------------------------------------------------------------------------
+# Chat templates: (tokenizer, messages, add_generation_prompt) -> pieces (int = id, str = text).
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
                  "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 
 
 def _turns(messages):
-    """(system or None, [(user, answer or None), ...]) for templates that only know user/assistant
-    pairs; roles must alternate, starting with the user."""
+    """(system or None, [(user, answer or None), ...]); roles must alternate, starting with the user."""
     system = None
     if messages and messages[0]["role"] == "system":
         system, messages = messages[0]["content"], messages[1:]
@@ -126,8 +111,7 @@ def _turns(messages):
 
 
 def llama2_template(tok, messages, add_generation_prompt):
-    # Meta's reference (llama/generation.py): each turn is encoded as "[INST] user [/INST] answer "
-    # between <s> and </s>; the system prompt goes into the first user message.
+    # Meta's reference: each turn is "<s>[INST] user [/INST] answer </s>"; system joins the first user turn.
     system, pairs = _turns(messages)
     bos, eos = tok.special_id("<s>"), tok.special_id("</s>")
     pieces = []
@@ -196,8 +180,7 @@ CHAT_TEMPLATES = {
 
 
 def chat_template_from_hf(template: Union[dict, str, None]):
-    """(name or None, default system prompt or None) from a Hugging Face jinja chat template, given
-    as its text or as the tokenizer_config.json dict holding it."""
+    """(name, default system prompt), each or None, from a jinja template or tokenizer_config.json."""
     if isinstance(template, dict):
         template = template.get("chat_template")
     if isinstance(template, list):  # several named templates: the default one
@@ -205,8 +188,7 @@ def chat_template_from_hf(template: Union[dict, str, None]):
     if not template:
         return None, None
     if "<|im_start|>" in template:
-        # A literal default system message, e.g. SmolLM2's or Qwen2.5's. The newline after
-        # "system" is either a real newline or a jinja escape, depending on who wrote the file.
+        # A literal default system message (SmolLM2, Qwen2.5); its newline may be a jinja escape.
         m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}+]+?)<\|im_end\|>", template)
         return "chatml", m.group(1).replace("\\n", "\n") if m else None
     if "<|start_header_id|>" in template:
@@ -220,9 +202,6 @@ def chat_template_from_hf(template: Union[dict, str, None]):
     return None, None
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading, and working out the metadata when no converter wrote it
-# ---------------------------------------------------------------------------------------------
 def load_tokenizer(checkpoint_dir) -> Tokenizer:
     """The tokenizer of a converted checkpoint folder (or of the folder of a given model.pth)."""
     folder = Path(checkpoint_dir)
@@ -251,8 +230,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _template_from_vocab(has_token, model_name: str) -> Optional[str]:
-    """The chat template when no jinja template names it: from the special tokens, else from the
-    model's (folder's) name."""
+    """The chat template when no jinja template names it: from the special tokens, else the name."""
     if has_token("<|im_end|>"):
         return "chatml"
     if has_token("<|eot_id|>"):
@@ -265,9 +243,8 @@ def _template_from_vocab(has_token, model_name: str) -> Optional[str]:
 
 
 def guess_tokenizer_meta(folder) -> dict:
-    """The "tokenizer" section of model_config.json for a folder holding tokenizer.model or
-    tokenizer.json, and possibly Hugging Face's tokenizer_config.json, chat_template.jinja and
-    generation_config.json, whose word wins where they have one."""
+    """model_config.json's "tokenizer" section for a folder; Hugging Face's tokenizer_config.json,
+    chat_template.jinja and generation_config.json win where they say something."""
     folder = Path(folder)
     path = find_tokenizer_file(folder)
     tok = Tokenizer(path)
@@ -306,10 +283,7 @@ def guess_tokenizer_meta(folder) -> dict:
             "stop_ids": sorted(stop_ids - {None})}
 
 
-# ---------------------------------------------------------------------------------------------
-# GGUF: rebuild a tokenizer.json from the vocabulary in the file's metadata
-# ---------------------------------------------------------------------------------------------
-# llama.cpp token types
+# GGUF: rebuild a tokenizer.json from the vocabulary in the file's metadata. llama.cpp's token types:
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # Pre-tokenizer regexes (what splits text into words before BPE), by tokenizer.ggml.pre.
@@ -320,8 +294,7 @@ GGUF_PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "starcoder", "llama-bpe", "
 
 
 def _byte_level_pipeline(tokenizer, pre: str):
-    """Normalizer and pre-tokenizer of a GPT-2 style byte-level BPE, as in the model's own
-    tokenizer.json."""
+    """Normalizer and pre-tokenizer of a GPT-2 style byte-level BPE, as the model's own tokenizer.json."""
     if pre in ("default", "gpt-2"):
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif pre in ("smollm", "starcoder"):  # GPT-2's regex, digits one by one
@@ -341,9 +314,8 @@ def _byte_level_pipeline(tokenizer, pre: str):
 
 
 def _merges_from_scores(tokens, scores, types):
-    """BPE merges for a SentencePiece vocabulary, as Hugging Face's slow->fast conversion derives
-    them: every split of a piece into two pieces of the vocabulary is a merge, and a piece with a
-    higher score is merged earlier (SentencePiece BPE scores are minus the merge order)."""
+    """BPE merges for a SentencePiece vocabulary, as Hugging Face's slow->fast conversion derives them:
+    every split of a piece into two vocabulary pieces, higher scores first (scores are -merge order)."""
     vocab = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED)}
     merges = []
     for piece, i in vocab.items():
@@ -356,8 +328,7 @@ def _merges_from_scores(tokens, scores, types):
 
 
 def gguf_tokenizer_json(metadata: dict) -> str:
-    """tokenizer.json text equivalent to the vocabulary in a GGUF file's metadata (a dict of
-    plain Python values keyed like "tokenizer.ggml.tokens")."""
+    """tokenizer.json text equivalent to a GGUF file's metadata (keys like "tokenizer.ggml.tokens")."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens = list(metadata["tokenizer.ggml.tokens"])
     types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
@@ -389,8 +360,7 @@ def gguf_tokenizer_json(metadata: dict) -> str:
 
 
 def gguf_tokenizer_meta(metadata: dict) -> dict:
-    """The "tokenizer" section of model_config.json for the tokenizer.json that
-    gguf_tokenizer_json builds from the same metadata."""
+    """model_config.json's "tokenizer" section for gguf_tokenizer_json's output."""
     tokens = list(metadata["tokenizer.ggml.tokens"])
     types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}

@@ -2,58 +2,18 @@
 
     python -m torch.distributed.run --nproc_per_node 2 generate.py --checkpoint_path ... --speculate eagle2
 
-Each of the N ranks (one per GPU with NCCL; one process each with gloo on a CPU) holds 1/N of
-every decoder layer, and two all-reduces per layer put the pieces together:
+Each of the N ranks (one per GPU with NCCL; one process each with gloo on a CPU) holds 1/N of every
+decoder layer: wqkv and w1/w3 split by columns (heads, intermediate size), wo and w2 by rows, whose
+partial sums an all-reduce hooked onto each attention and feed-forward adds (two a layer).
+Everything else (embedding, norms, router, LM head, the EAGLE draft) is replicated and computed
+identically on every rank. Quantized files are sliced as they are, so every N computes with the
+weights one GPU would use.
 
-    attention.wqkv       column-parallel by heads: rank r computes query heads r*H/N .. (r+1)*H/N - 1
-                         and KV heads r*KV/N .. (r+1)*KV/N - 1. With GQA the query heads sharing a KV
-                         head are consecutive, so they stay on the rank that holds it; N must divide KV.
-    attention.wo         row-parallel: the input columns of the rank's heads. Its output is a partial
-                         sum over heads: all-reduce #1.
-    feed_forward.w1, w3  column-parallel: 1/N of the intermediate size (the SwiGLU product is per column)
-    feed_forward.w2      row-parallel: partial sums over the intermediate size: all-reduce #2.
-    Mixtral experts      the same, inside every expert: each rank holds 1/N of all E experts, so every
-                         rank has the same share of the work whichever 2 experts a token is routed to
-                         (sharding by expert would leave the ranks without the token's experts idle).
-
-Everything else is replicated, and computed redundantly but identically on every rank: the
-embedding, the norms, the router, the LM head, and the EAGLE draft. The residual stream after each
-all-reduce is the full `dim`-wide hidden state on every rank, so the EAGLE features (the final
-post-norm state, or EAGLE-3's layer inputs) need no gather. The LM head stays whole because every
-rank needs the full logits anyway, for sampling, acceptance and the EAGLE-1/2 draft's guesses at
-each tree level; sharding it by vocabulary would add an all-gather of logits to each of those
-places. What replication costs is a vocab x dim matrix per rank (LLaMA-2-70B: 0.5 GB in bf16, 3 %
-of a rank's reads per step at N = 8; LLaMA-3-70B's 128k vocabulary: 2.1 GB, 11 %; see
-benchmarks/README.md).
-
-Why the ranks cannot diverge, so that each decides alone, without talking to the others beyond the
-target's all-reduces: they start from the same inputs (the same command, checked by
-check_same_command; the same prompt); an all-reduce leaves the bit-identical sum on every rank
-(with two ranks a + b = b + a; with more, NCCL's and gloo's ring and tree algorithms reduce each
-element once and copy the result to all); the replicated computations after it run the same kernels
-on the same shapes, hence give the same bits (same GPU model; on a CPU the same thread count, from
-the same environment: torchrun sets OMP_NUM_THREADS=1 for every rank; inductor's kernel
-autotuning, which picks kernels by timing them, is kept off under tensor parallelism (no_autotuning,
-from init) so that two ranks cannot pick two differently-rounding kernels); sampling draws from the
-same random stream (the same seed and the same sequence of draws on every rank). Then every rank
-grows the same tree, deterministically, takes the same acceptance decision, stops after the same
-round, and issues the same sequence of all-reduces. The one decision made from timings,
---tree_tokens auto, is taken on rank 0 and broadcast (from_rank0). generate.py checks at the end
-that all ranks produced the same tokens.
-
-Quantized targets are sharded after quantizing: each rank slices the int8/int4 file that
-quantize.py wrote, rather than quantizing its float shard itself. The ranks then compute with
-exactly the weights a single GPU would use (quantizing a row-parallel shard would give its rows
-per-shard scales, a different model for every N), and a rank reads 1/N of the smaller file and
-does no quantization work at load time. int8 scales are per output channel: they are sliced with
-the rows of a column-parallel layer and kept whole for a row-parallel one (the scale multiplies a
-partial sum as it does the full one). int4 groups run along the input dimension: a row-parallel
-layer needs (in_features / N) to be a multiple of the group size, so that no group straddles two
-ranks, and padded int4 layers are refused (a clear error suggests another group size or N).
-
-Loading (checkpoint.load_model with a Shard): the file is memory-mapped and each rank copies out
-only its slices; the replicated tensors stay views of the mapping. The page cache holds the file
-once for all ranks of a machine, so no rank ever holds the whole checkpoint in its own memory.
+The ranks never diverge, so each decides alone: they start from the same command and prompt
+(check_same_command), an all-reduce leaves the same bits on every rank, the replicated work runs
+the same kernels on the same shapes (no kernel timing under torchrun: no_autotuning), and sampling
+draws from the same seed; the one choice made from timings, --tree auto, is rank 0's
+(from_rank0). docs/tensor_parallel.md has the plan, its limits and what it costs.
 """
 import atexit
 import os
@@ -69,7 +29,8 @@ from torch import Tensor
 from model import Experts, ModelArgs, Transformer
 from quantize import INT4_N_MULTIPLE
 
-DEFAULT_TIMEOUT_S = 600  # how long a rank waits for the others: to join, and at each collective
+# How long a rank waits for the others, to join and at each collective (seconds).
+DEFAULT_TIMEOUT_S = float(os.environ.get("EAGLE_TP_TIMEOUT", 600))
 _GROUP_NAME = None  # the default group's name, for all_reduce_sum (set by init)
 
 
@@ -79,9 +40,6 @@ class Shard(NamedTuple):
     world_size: int
 
 
-# ---------------------------------------------------------------------------------------------
-# The process group
-# ---------------------------------------------------------------------------------------------
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -92,28 +50,22 @@ def active() -> bool:
 
 
 def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
-    """(Shard, this rank's device) when started by torchrun (even with one process, so that TP=1
-    can run through the distributed code path), else (None, device). NCCL on CUDA, gloo on CPU.
-
-    A rank that never joins must not leave the others waiting forever: the process group is
-    created with a timeout, which covers both the rendezvous and every later collective (a rank
-    that dies mid-generation), and running out of it is a ValueError that says what happened."""
+    """(Shard, this rank's device) when started by torchrun (even with one process), else (None,
+    device). The group's timeout covers the rendezvous and every later collective, so a rank that
+    never joins or dies mid-run ends the others with a ValueError rather than a hang."""
     if not launched_by_torchrun():
         return None, device
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device.startswith("cuda"):
-        # cuBLAS is deterministic with a fixed workspace only (no_autotuning asks for deterministic
-        # kernels); it must be set before the first cuBLAS call of the process.
+        # Deterministic cuBLAS needs a fixed workspace, set before the process's first cuBLAS call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         check_gpu_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count())
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    # Imported before the process group exists, on purpose: finish() must be able to free the group
-    # (see there). torch.distributed.nn.functional binds `group=group.WORLD` as a default argument of
-    # its functions when it is imported, and the first functional collective imports it: imported
-    # after init, those defaults would hold the default group for the rest of the process.
+    # Imported before the group exists, so that finish() can free it: this module binds group.WORLD
+    # into default arguments at import, and imported later it would hold the group for good.
     import torch.distributed.nn.functional  # noqa: F401
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -121,9 +73,8 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"tensor parallelism: rank {rank} waited {timeout_s:g} s and not all {world_size} ranks "
                          f"joined ({first}); start every rank with the same command (torchrun does), or raise "
-                         f"--tp_timeout") from None
-    # A command that returns or exits early (an error, --compare, --interactive) still tears the group
-    # down while the interpreter is whole; after a finish() this does nothing.
+                         f"EAGLE_TP_TIMEOUT (seconds)") from None
+    # A command that exits early still tears the group down while the interpreter is whole.
     atexit.register(finish)
     global _GROUP_NAME
     _GROUP_NAME = dist.group.WORLD.group_name
@@ -132,9 +83,7 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
 
 
 def start(device: str, timeout_s: float, command: dict) -> tuple:
-    """What generate.py and scripts/benchmark.py do first: init, check that every rank runs the
-    same command (a dict of its arguments), and leave the printing to rank 0. Returns init's
-    (Shard or None, device); a ValueError says what went wrong."""
+    """init, check that every rank runs the same command, and leave the printing to rank 0."""
     shard, device = init(device, timeout_s)
     check_same_command(command)
     silence_other_ranks(shard)
@@ -149,10 +98,8 @@ def check_gpu_count(ranks_here: int, gpus: int):
 
 
 def check_same_command(what: dict):
-    """Every rank must run the same command: a rank started with another checkpoint, seed or
-    flag would take other decisions and the ranks' collectives would stop matching (a hang, or
-    garbage). Compares `what` (a command's vars(args)) across ranks; a ValueError names the first
-    difference."""
+    """A rank started with another checkpoint, seed or flag would decide differently and its
+    collectives would stop matching (a hang, or garbage): compare vars(args) across ranks."""
     if not active():
         return
     mine = {k: str(v) for k, v in what.items()}
@@ -166,8 +113,7 @@ def check_same_command(what: dict):
 
 
 def from_rank0(value):
-    """Rank 0's value on every rank (identity without a process group): for decisions that are
-    taken from timings, which differ from rank to rank (--tree_tokens auto)."""
+    """Rank 0's value on every rank, for decisions taken from timings, which differ between ranks."""
     if not active():
         return value
     box = [value]
@@ -188,9 +134,8 @@ def check_same_on_all_ranks(what: str, value):
 
 
 def silence_other_ranks(shard: Optional[Shard]):
-    """Ranks > 0 compute what rank 0 computes: only rank 0 prints its results (and writes files).
-    Their errors still print: when a rank fails, torchrun stops the others at once, so the rank that
-    failed first, whichever it is, must be the one that says why."""
+    """Only rank 0 prints results. Errors still print on every rank: torchrun stops the others at
+    once, so the rank that failed first must be the one that says why."""
     if shard is not None and shard.rank > 0:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = _ErrorsOnly(sys.stderr)
@@ -214,29 +159,18 @@ class _ErrorsOnly:
 
 
 def finish():
-    """Destroy the process group, and with it the backend's threads (gloo: a socket loop and two
-    workers), joined here while the interpreter is whole. That takes the last reference to the
-    group: anything still holding it keeps those threads running into the interpreter's teardown,
-    where they were destroyed in no set order and now and then killed the rank ("terminate called
-    without an active exception", SIGABRT, torchrun FAILED after a correct answer). Two holders
-    are kept out: torch.distributed.nn.functional's default arguments (imported before init) and
-    compiled graphs, which see the group only by name (all_reduce_sum)."""
+    """Destroy the process group, joining the backend's threads while the interpreter is whole. This
+    must drop the last reference: threads left to the interpreter's teardown now and then abort the
+    rank after a correct answer. Hence init's early import, and graphs that name the group by string."""
     if active():
         dist.destroy_process_group()
 
 
 def no_autotuning():
-    """Keep inductor from choosing kernels by timing them, under tensor parallelism: two ranks
-    that time differently could pick two kernels that round differently, and diverge.
-
-    Set through torch.use_deterministic_algorithms: dynamo saves that flag before every frame it
-    compiles and restores it after, and newer torch sets inductor's deterministic mode from it, so
-    an inductor flag set on its own (as generate.py did) held for the first compiled graph only;
-    older torch, which has no deterministic mode, reads the flag into each kernel and then gives
-    pointwise and reduction kernels one configuration each instead of timing several. It also
-    makes the replicated eager ops pick their deterministic kernels where they have one, which two
-    ranks need as much (warn_only: an op without one warns, it does not fail). inductor_flags
-    turns off the other ways of timing. Returns the inductor flags set."""
+    """Keep Inductor from choosing kernels by timing them: two ranks that time differently could pick
+    kernels that round differently, and diverge. Set through torch.use_deterministic_algorithms, which
+    dynamo restores around every frame (an Inductor flag alone held for the first graph only) and which
+    also gives the replicated eager ops their deterministic kernels. Returns the Inductor flags set."""
     import torch._inductor.config as inductor_config
 
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -244,12 +178,8 @@ def no_autotuning():
 
 
 def inductor_flags(config) -> list:
-    """Inductor's config (config: its module, or a stand-in in the tests) set not to time kernels:
-    deterministic mode where torch has it, which covers every case; otherwise each way by its own
-    flag: several configurations of a pointwise kernel (and, in those versions, of a reduction:
-    triton.autotune_pointwise), a reduction's block halved when it spills (dynamic_scale_rblock),
-    padded against unpadded matmuls (shape_padding), fusions and templates (benchmark_fusion,
-    max_autotune*), coordinate descent and multi-kernels. Flags a version lacks are skipped."""
+    """Set Inductor's config (or a test's stand-in) not to time kernels: deterministic mode where torch
+    has it, else every timing flag one by one; flags a version lacks are skipped."""
     if hasattr(config, "deterministic"):
         config.deterministic = True
         return ["deterministic"]
@@ -268,18 +198,14 @@ def inductor_flags(config) -> list:
 
 
 def all_reduce_sum(x: Tensor) -> Tensor:
-    """The sum of x over all ranks. A functional collective: it returns a new tensor instead of
-    writing into x, so torch.compile traces it into the graph (no graph break), and a decode step
-    or a speculative round stays one graph per rank. The group is passed by name, a string: given
-    the group object, dynamo would keep it in every compiled graph (and finish() could not free it)."""
+    """The sum of x over all ranks. Functional (a new tensor), so torch.compile traces it and a step or
+    round stays one graph; the group goes by name, since a compiled graph would keep a group object."""
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_reduce(x, "sum", _GROUP_NAME)
 
 
-# ---------------------------------------------------------------------------------------------
-# The sharding plan
-# ---------------------------------------------------------------------------------------------
+# The sharding plan.
 COLUMN, ROW = "column", "row"
 PLAN = {  # module name inside a layer -> how it is split
     "attention.wqkv": COLUMN,
@@ -288,13 +214,9 @@ PLAN = {  # module name inside a layer -> how it is split
     "feed_forward.w3": COLUMN,
     "feed_forward.w2": ROW,
 }
-# The dimension each tensor of a linear layer (nn.Linear, model.Experts, or their int8/int4 forms)
-# is split along. Counted from the end, so that an expert stack [E, out, in] and its int8 scales
-# [E, out] split like a plain weight [out, in] and its scales [out].
-#   column-parallel: every tensor with an output dimension is split along it.
-#   row-parallel: the weight's input columns and the int4 groups (which run along the input);
-#     int8 scales (one per output channel) stay whole. Row-parallel layers have no bias here: it
-#     would have to be added on one rank only.
+# The dimension each tensor of a linear layer (float, int8, int4, expert stack) is split along, from the
+# end so that [E, out, in] splits like [out, in]. Row-parallel: input columns and int4 groups; int8
+# scales stay whole, and a bias is refused (it would be added on every rank).
 SPLIT_DIM = {
     COLUMN: {"weight": -2, "bias": -1, "scales": -1, "scales_and_zeros": -2},
     ROW: {"weight": -1, "scales_and_zeros": -3},
@@ -334,9 +256,8 @@ def _full_sizes(config: ModelArgs, module: str) -> tuple:
 
 
 def shard_state_dict(state_dict: dict, config: ModelArgs, shard: Shard) -> dict:
-    """This rank's part of a (memory-mapped) state dict: the tensors of the PLAN's modules sliced,
-    everything else as it is. A slice that is not contiguous in the file (input columns) is copied
-    out, only that much; a contiguous one stays a view of the mapping until it is moved."""
+    """This rank's part of a memory-mapped state dict: the PLAN's tensors sliced, the rest as is. Only
+    non-contiguous slices are copied out; the others stay views of the mapping."""
     check_divisible(config, shard.world_size)
     out = {}
     for key, tensor in state_dict.items():
@@ -371,8 +292,7 @@ def _slice(t: Tensor, dim: int, shard: Shard) -> Tensor:
 
 
 def _check_int4(key: str, state_dict: dict, config: ModelArgs, module: str, style: str, world_size: int):
-    """int4 layers: unpadded, and split at group boundaries (row-parallel) and at the kernel's
-    row multiple (column-parallel)."""
+    """int4 layers must be unpadded and split at group boundaries and the kernel's row multiple."""
     prefix = key.rsplit(".", 1)[0]
     weight, groups = state_dict[f"{prefix}.weight"], state_dict[f"{prefix}.scales_and_zeros"]
     out_features, in_features = _full_sizes(config, module)
@@ -391,9 +311,8 @@ def _check_int4(key: str, state_dict: dict, config: ModelArgs, module: str, styl
 
 
 def shard_model(model: Transformer, shard: Shard) -> Transformer:
-    """Give a Transformer on the meta device (weights not loaded yet) this rank's layer shapes
-    and the all-reduces after attention and feed-forward. model.config stays the full model's:
-    the draft and the features are full-width."""
+    """Give a meta-device Transformer this rank's layer shapes and the all-reduce hooks. model.config
+    stays the full model's: the draft and the features are full-width."""
     if model.norm.weight.device.type != "meta":
         raise ValueError("shard_model reshapes a model before its weights are loaded: build it on the meta device")
     c, N = model.config, shard.world_size
@@ -411,8 +330,29 @@ def shard_model(model: Transformer, shard: Shard) -> Transformer:
             else:
                 ff.w1, ff.w3 = nn.Linear(c.dim, local, bias=False), nn.Linear(c.dim, local, bias=False)
                 ff.w2 = nn.Linear(local, c.dim, bias=False)
-            attn.tp_reduce = ff.tp_reduce = all_reduce_sum
+    set_all_reduces(model, True)
     return model
+
+
+def _all_reduce_output(module: nn.Module, args, output: Tensor) -> Tensor:
+    return all_reduce_sum(output)
+
+
+def set_all_reduces(model: Transformer, on: bool) -> int:
+    """Hook or unhook the all-reduce on every attention and feed-forward output (gpt-fast's way: the
+    model never mentions ranks). Returns how many modules changed."""
+    changed = 0
+    for layer in model.layers:
+        for m in (layer.attention, layer.feed_forward):
+            handle = getattr(m, "tp_hook", None)
+            if on and handle is None:
+                m.tp_hook = m.register_forward_hook(_all_reduce_output)
+                changed += 1
+            elif not on and handle is not None:
+                handle.remove()
+                m.tp_hook = None
+                changed += 1
+    return changed
 
 
 def weight_bytes(model: nn.Module) -> int:

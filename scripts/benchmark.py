@@ -1,60 +1,35 @@
-"""Speed of vanilla decoding and of EAGLE speculative decoding on MT-bench, side by side.
+"""Speed of plain decoding and of EAGLE speculative decoding on MT-bench, side by side.
 
-    python scripts/benchmark.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \\
-        --compile --num_questions 16 --max_new_tokens 128 --out benchmarks/mt_bench-smollm2
+    python scripts/benchmark.py --compile --num_questions 16 --max_new_tokens 128 --methods eagle2 eagle3
 
-Methods, run in one process on exactly the same prompts so that their ratios are side by side:
-    vanilla  one target forward per token: the reference for speedup and for output equality
-    chain    the EAGLE draft without a tree: a chain of --chain_depth guesses per round
-    eagle    EAGLE-1's static tree mc_sim_7b_63 (26 nodes, depth 5)
+Methods, run in one process on the same prompts (a question's later turns follow vanilla's answers),
+at each of --temperatures; an answer's time is the whole call, prefill included:
+    vanilla  one target forward per token: the reference for speed and for output equality
+    chain    the EAGLE-1/2 head without a tree: a chain of --chain_depth guesses per round
+    eagle    EAGLE-1's static tree mc_sim_7b_63
     eagle2   EAGLE-2's dynamic tree (--tree_top_k, --tree_depth, --tree_tokens; "auto" measures)
     eagle3   an EAGLE-3 head (--draft3_checkpoint_path) growing the dynamic tree (--tree_depth3)
-    lookup   prompt lookup alone (--lookup_alone guesses from the longest earlier match), no draft
-    eagle2+lookup, eagle3+lookup   the dynamic tree with --lookup more nodes of lookup's guesses,
-             decoded adaptively (rounds or plain steps, whichever is faster as the answer goes):
-             what generate.py runs for --speculate eagle2/eagle3 by default
-at each of --temperatures (default 0 and 1). Every MT-bench question is asked in its two turns
-with the chat template: turn 1 is answered, the answer appended, then turn 2 is answered. Turn 2
-follows vanilla's answer to turn 1 at the same temperature for every method, so that all methods
-decode the same prompts (at temperature 0 their answers are equal anyway). An answer's time is
-the whole call, prefill included; tokens/s is total tokens over total time.
+    lookup   prompt lookup alone (--lookup_alone guesses a round), no head
+    eagle2+lookup, eagle3+lookup   the tree plus --lookup nodes of lookup's guesses, decoded adaptively
+More rows: --peers (transformers' generate and its prompt lookup, same weights), --eager_float32 (a
+float32 copy, eager) and, with --batch_invariant, a copy without the mode (what the mode costs).
+Writes OUT.json (a record per method x temperature x category, every answer with its token ids),
+OUT.md and OUT.png (speedups; needs matplotlib, or pass --no_plot).
 
---peers adds Hugging Face transformers, the baseline EAGLE's published speedups are measured
-against, as two more rows on the same weights, prompts, dtype, device and stop tokens:
-    hf                 model.generate: greedy at T=0, at T>0 sampling with top_k=0, top_p=1
-    hf_prompt_lookup   the same with prompt-lookup decoding (--prompt_lookup_num_tokens)
+    python scripts/benchmark.py --random_weights --model_name llama-2-7b --compile
 
-Writes OUT.json (one record per method x temperature x category, "overall" included), OUT.md
-(tables) and OUT.png (speedups; needs matplotlib from requirements-dev.txt, or pass --no_plot).
-
-    python scripts/benchmark.py --random_weights --model_name llama-2-7b --compile --out benchmarks/llama-2-7b
-
-Random-weights mode builds a real-shaped model (any model.py config name) with random weights
-directly on the device, no download (--quantize int8/int4: quantized in memory there), and
-measures (a) vanilla decode tok/s and the weight bandwidth it achieves, next to a device-to-device
-copy measured in the same run, (b) one round of each speculative method (random drafts: eagle's
-static tree, eagle2 and eagle3 at each --tree_sizes) against one vanilla step timed the same way,
-and (c) the speedup those costs predict for each --tau. Timed the same way: with --compile, the
-first --compiled_rounds rounds (the headline --tree_tokens first) and the step are compiled; the
-other rounds are replays of the eager round captured in a CUDA graph ("cuda graph": the kernels
-without their launch overhead, and no compile per size) on CUDA, eager elsewhere, each against a
-step timed in the same way. Writes OUT.json (after every measurement) and OUT.md.
-
---time_budget SECONDS stops either mode in time (no new question, no new round; what was left out
-is recorded), and --dry_run only checks the arguments (scripts/gpu_check.sh --dry_run).
-
-Both modes run tensor-parallel under torchrun (tp.py; rank 0 writes the files, which record
-"tensor_parallel" and the weight bytes each rank holds). With --tp_timing, random-weights mode
-adds (d): the compiled decode step next to the same step without its all-reduces and the
-all-reduces alone, to show what the collectives cost (benchmarks/README.md has the commands):
-
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 scripts/benchmark.py \
-        --random_weights --model_name SmolLM2-1.7B --tp_timing --compile
+Random weights of a real shape (a model.py config name, or a JSON file {"model": {ModelArgs fields}}),
+made on the device: (a) plain decoding's tok/s and weight bandwidth, beside a device-to-device copy;
+(b) one round of eagle, eagle2 and eagle3 (random heads) at each --tree_sizes against one plain step
+timed the same way: compiled with --compile, else CUDA-graph replays of the eager code on CUDA, eager
+on a CPU; (c) the speedups they predict for each --tau; (d) with --tp_timing under torchrun, the step
+without its all-reduces and the all-reduces alone. Both modes run tensor-parallel under torchrun
+(tp.py; rank 0 writes). Results and their commands: benchmarks/RESULTS.md.
 """
 import argparse
+import importlib.util
 import json
 import os
-import resource
 import shlex
 import sys
 import time
@@ -62,142 +37,140 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import defaults  # noqa: E402
 import generate as gen  # noqa: E402
-import speculative  # noqa: E402
+import invariant  # noqa: E402
 import tp  # noqa: E402
+from attention import use_attention  # noqa: E402
+from autoshape import AUTO_TOP_K, auto_shape, cpu_name, file_key, machine_key, probe_prompts  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
+from compiling import compile_prefill, compile_round, compile_step, cuda_graph, device_sync  # noqa: E402
+from cpu import pack_linears  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, dynamic_tree_slots, eagle3_layer_ids  # noqa: E402
-from model import ModelArgs, Transformer, pack_linears, set_attention_backend  # noqa: E402
-from quantize import pack_int4, quantize_model  # noqa: E402
-from tree import mc_sim_7b_63, static_tree  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from quantize import GROUPSIZES, mode_from_path, pack_int4, quantize_model  # noqa: E402
+from speculative import Speculator  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+from trees import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
 HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3", "lookup": None,
-           "eagle2+lookup": "eagle", "eagle3+lookup": "eagle3"}  # which head a method runs (lookup: none)
+           "eagle2+lookup": "eagle", "eagle3+lookup": "eagle3"}  # the head a method runs (lookup: none)
 ADAPTIVE = ("eagle2+lookup", "eagle3+lookup")  # decoded with speculative_generate(adaptive=True)
-PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods (vanilla stays the reference)
-EAGER_FLOAT32 = "vanilla_eager_float32"  # --eager_float32: plain decoding as the CPU ran it before --compile
-NOT_INVARIANT = "vanilla_not_invariant"  # --batch_invariant: plain decoding without the mode, what it costs
-PLAIN_STEP = gen.decode_one_token  # the uncompiled step (generate.compile_decoding rebinds gen's name)
+PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods
+EAGER_FLOAT32 = "vanilla_eager_float32"  # --eager_float32: plain decoding of a float32 copy, eager
+NOT_INVARIANT = "vanilla_not_invariant"  # --batch_invariant: plain decoding of a copy without the mode
 RANDOM_METHODS = ("eagle", "eagle2", "eagle3")  # random-weights mode: one round of each
-# The shared data folder sits beside the checkout on the development machine and inside it on the GPU machine.
+TREE_TOP_K, TREE_TOKENS = 10, 60  # the papers' dynamic tree; depth 6, and 8 for EAGLE-3 (its paper's)
+TREE_DEPTH = {"eagle2": 6, "eagle3": defaults.EAGLE3_DEPTH}
+EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' reduced vocabulary (or the target's, if smaller)
+# The shared data folder sits beside the checkout, or inside it where the checkout travels alone.
 QUESTION_FILES = [ROOT.parent / "shared/data/mt_bench/question.jsonl", ROOT / "shared/data/mt_bench/question.jsonl"]
 DEFAULT_QUESTIONS = next((f for f in QUESTION_FILES if f.is_file()), QUESTION_FILES[0])
-EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' reduced vocabulary (or the target's, if smaller)
+
+
+def tree_tokens_arg(value: str):
+    """--tree_tokens: a number of tree nodes, root included, or "auto"."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {value!r}") from None
+
+
+def model_config(name: str) -> ModelArgs:
+    """--model_name: a model.py config name, or a JSON file {"model": {ModelArgs fields}}."""
+    if name.endswith(".json"):
+        return ModelArgs(**json.loads(Path(name).read_text())["model"])
+    return ModelArgs.from_name(name)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    dtypes = ["float32", "bfloat16", "float16"]
     p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
-    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="EAGLE-1/2 head for chain, eagle, eagle2 (default: the eagle/ folder beside the checkpoint)")
-    p.add_argument("--draft3_checkpoint_path", type=Path, default=None,
-                   help="EAGLE-3 head for eagle3 (default: the eagle3/ folder beside the checkpoint)")
-    p.add_argument("--draft3_dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="eagle3: the EAGLE-3 head's dtype (default: --dtype); outputs do not depend on it")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="EAGLE-1/2 head (default: eagle/ beside the checkpoint)")
+    p.add_argument("--draft3_checkpoint_path", type=Path, help="EAGLE-3 head (default: eagle3/ beside the checkpoint)")
+    p.add_argument("--draft3_dtype", choices=dtypes, help="the EAGLE-3 head's dtype (default: --dtype)")
     p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
-    p.add_argument("--num_questions", type=int, default=None,
-                   help="ask only this many questions, taken in turn from each category (default: all)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
-                   help="vanilla always runs: it is the reference (default: every method whose head is there)")
+    p.add_argument("--num_questions", type=int, help="this many, taken in turn from each category (default: all)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all whose head is there; vanilla always runs")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
     p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
     p.add_argument("--lookup", type=int, default=8, help="eagle2+lookup, eagle3+lookup: lookup nodes per tree")
-    p.add_argument("--lookup_alone", type=int, default=10,
-                   help="lookup: guesses per round (as transformers' prompt_lookup_num_tokens, default 10)")
-    p.add_argument("--tree_top_k", type=int, default=None,
-                   help="eagle2/eagle3 (and random weights): children per node (default 10; auto: searched unless given)")
-    p.add_argument("--tree_depth", type=int, default=None,
-                   help="eagle2 (and random weights): levels of guesses (default 6; auto: searched unless given)")
-    p.add_argument("--tree_depth3", type=int, default=None,
-                   help="eagle3: levels of guesses (default 8, as in the EAGLE-3 paper; auto: searched unless given)")
-    p.add_argument("--tree_tokens", type=gen._tree_tokens_arg, default=60,
-                   help="eagle2/eagle3: nodes per round, root included, or auto (measured per method and temperature)")
+    p.add_argument("--lookup_alone", type=int, default=10, help="lookup: guesses per round")
+    p.add_argument("--tree_top_k", type=int, help=f"children per node (default {TREE_TOP_K}; auto searches unless given)")
+    p.add_argument("--tree_depth", type=int, help=f"eagle2's depth (default {TREE_DEPTH['eagle2']}; auto searches unless given)")
+    p.add_argument("--tree_depth3", type=int, help=f"eagle3's depth (default {TREE_DEPTH['eagle3']}; auto searches unless given)")
+    p.add_argument("--tree_tokens", type=tree_tokens_arg, default=TREE_TOKENS, help="nodes per tree, root included, or auto")
     p.add_argument("--compile", action="store_true", help="compile the decode step and the rounds")
     p.add_argument("--compile_prefill", action="store_true")
-    p.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto", help="as in generate.py")
-    p.add_argument("--batch_invariant", action="store_true",
-                   help="as in generate.py: the target in batch-invariant mode (vanilla too), so that bf16 greedy "
-                        "answers equal vanilla's")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["auto", *dtypes], default="auto", help="auto: defaults.py's, as generate.py")
+    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
+    p.add_argument("--batch_invariant", action="store_true", help="the target (vanilla's too) in batch-invariant mode")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", type=Path, default=None,
-                   help="output path without suffix (default: benchmarks/mt_bench-MODEL or benchmarks/random-NAME)")
-    p.add_argument("--no_plot", action="store_true", help="skip OUT.png (no matplotlib needed)")
-    p.add_argument("--peers", action="store_true",
-                   help="also run transformers' generate and its prompt-lookup decoding on the same checkpoint "
-                        "(needs transformers from requirements-dev.txt)")
-    p.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="--peers: hf_prompt_lookup's candidates per forward")
-    p.add_argument("--eager_float32", action="store_true",
-                   help=f"also run plain decoding eager in float32 on a float32 copy of the weights ({EAGER_FLOAT32}), "
-                        f"the CPU default before compiled runs: the baseline of the speed claims against it")
-    p.add_argument("--time_budget", type=float, default=None,
-                   help="seconds: start no new question (random weights: no new round) after this; recorded")
-    p.add_argument("--dry_run", action="store_true",
-                   help="check the arguments (all but the device's presence), print the plan and exit")
+    p.add_argument("--out", type=Path, help="path without suffix (default: benchmarks/mt_bench-MODEL or random-NAME)")
+    p.add_argument("--no_plot", action="store_true", help="no OUT.png (no matplotlib needed)")
+    p.add_argument("--peers", action="store_true", help="add transformers' generate and its prompt lookup")
+    p.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="--peers: hf_prompt_lookup's guesses")
+    p.add_argument("--eager_float32", action="store_true", help="add plain decoding of a float32 copy, eager")
+    p.add_argument("--time_budget", type=float, help="seconds: no new question (or round) after them; recorded")
+    p.add_argument("--dry_run", action="store_true", help="check the arguments, print the plan and exit")
+    p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S, help="under torchrun: seconds to wait for a rank")
     r = p.add_argument_group("random-weights mode")
-    r.add_argument("--random_weights", action="store_true", help="real-shaped model with random weights, no checkpoint")
-    r.add_argument("--model_name", type=str, default=None, help="a model.py config, e.g. llama-2-7b, SmolLM2-135M")
+    r.add_argument("--random_weights", action="store_true")
+    r.add_argument("--model_name", help='a model.py config (e.g. llama-2-7b), or a JSON file {"model": {...}}')
     r.add_argument("--tree_sizes", nargs="+", type=int, default=[16, 32, 48, 60, 64, 96, 128])
-    r.add_argument("--tau", nargs="+", type=float, default=[3.5, 4.0, 4.5],
-                   help="mean accepted tokens per round to predict the speedup for")
-    r.add_argument("--steps", type=int, default=None, help="timed decode steps and rounds (default: 100 GPU, 10 CPU)")
+    r.add_argument("--tau", nargs="+", type=float, default=[3.5, 4.0, 4.5], help="tokens per round to predict for")
+    r.add_argument("--steps", type=int, help="timed steps and rounds (default: 100 on CUDA, 10 on a CPU)")
     r.add_argument("--prompt_length", type=int, default=128)
-    r.add_argument("--tp_timing", action="store_true",
-                   help="under torchrun: also time the decode step without its all-reduces, and the all-reduces alone")
-    p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S,
-                   help="under torchrun: seconds a rank waits for the others before it gives up")
-    r.add_argument("--quantize", choices=["int8", "int4"], default=None, help="quantize the random target in memory")
+    r.add_argument("--tp_timing", action="store_true", help="under torchrun: also the step without all-reduces, and those alone")
+    r.add_argument("--quantize", choices=["int8", "int4"], help="quantize the target in memory")
     r.add_argument("--groupsize", type=int, default=32, help="int4 groupsize")
-    r.add_argument("--compiled_rounds", type=int, default=None,
-                   help="with --compile: compile this many rounds, the headline first (default: all); "
-                        "the others are timed as CUDA-graph replays of the eager round (eager on a CPU)")
     args = p.parse_args(argv)
 
     errors = []
     if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
         errors.append(f"--device {args.device} requested but CUDA is not available")
-    if args.attention == "triton" and not args.device.startswith("cuda"):
-        errors.append(f"--attention triton runs on CUDA, not on --device {args.device} (use --attention sdpa)")
-    if args.max_new_tokens < 1:
-        errors.append(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.num_questions is not None and args.num_questions < 1:
-        errors.append(f"--num_questions must be >= 1, got {args.num_questions}")
-    if args.chain_depth < 1:
-        errors.append(f"--chain_depth must be >= 1, got {args.chain_depth}")
-    if any(t < 0 for t in args.temperatures):
-        errors.append(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}")
+    for flag, value, least in (("--max_new_tokens", args.max_new_tokens, 1), ("--num_questions", args.num_questions, 1),
+                               ("--chain_depth", args.chain_depth, 1), ("--lookup", args.lookup, 0),
+                               ("--lookup_alone", args.lookup_alone, 1), ("--temperatures", min(args.temperatures), 0),
+                               ("--prompt_lookup_num_tokens", args.prompt_lookup_num_tokens, 1),
+                               ("--time_budget", args.time_budget, 0), ("--steps", args.steps, 1),
+                               ("--prompt_length", args.prompt_length, 1)):
+        if value is not None and value < least:
+            errors.append(f"{flag} must be >= {least}, got {value}")
     if args.tp_timing and not (args.random_weights and tp.launched_by_torchrun()):
         errors.append("--tp_timing times a tensor-parallel step of --random_weights: run it under "
                       "python -m torch.distributed.run (--nproc_per_node 1 for the one-rank reference)")
-    if args.time_budget is not None and args.time_budget < 0:
-        errors.append(f"--time_budget must be >= 0 seconds, got {args.time_budget}")
     if args.random_weights:
         if args.model_name is None:
-            errors.append("--random_weights needs --model_name (a config name of model.py, e.g. llama-2-7b)")
+            errors.append("--random_weights needs --model_name (a model.py config name or a JSON file)")
         else:
             try:
-                ModelArgs.from_name(args.model_name)
-            except ValueError as e:
-                errors.append(str(e))
+                model_config(args.model_name)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                errors.append(f"--model_name {args.model_name}: {e}")
         args.methods = [m for m in RANDOM_METHODS if m in (args.methods or RANDOM_METHODS)]
         if not args.methods:
             errors.append(f"--random_weights measures rounds of {', '.join(RANDOM_METHODS)}; --methods names none")
         if args.tree_tokens == "auto":
             errors.append("--random_weights measures fixed tree sizes: give --tree_tokens a number (the headline size)")
-        if args.quantize == "int4" and args.groupsize not in (32, 64, 128, 256):
-            errors.append(f"--groupsize must be 32, 64, 128 or 256, got {args.groupsize}")
+        if args.quantize == "int4" and args.groupsize not in GROUPSIZES:
+            errors.append(f"--groupsize must be one of {GROUPSIZES}, got {args.groupsize}")
+        if args.peers or args.batch_invariant:
+            errors.append("--peers and --batch_invariant are for MT-bench runs (a checkpoint), not --random_weights")
     else:
         if args.model_name is not None or args.quantize is not None:
-            errors.append("--model_name and --quantize apply to --random_weights; a checkpoint carries its own "
-                          "config and quantization")
+            errors.append("--model_name and --quantize are for --random_weights; a checkpoint carries its own")
         if not args.question_file.is_file():
             errors.append(f"--question_file not found: {args.question_file}")
         if not args.checkpoint_path.is_file():
@@ -214,56 +187,37 @@ def parse_args(argv=None):
                 flag = "--draft3_checkpoint_path" if head == "eagle3" else "--draft_checkpoint_path"
                 errors.append(f"methods {needing} need an {'EAGLE-3' if head == 'eagle3' else 'EAGLE-1/2'} head: "
                               f"{heads[head]} not found (pass {flag}, or leave them out of --methods)")
-    if args.peers and args.random_weights:
-        errors.append("--peers adds rows to the MT-bench run; random-weights mode has no checkpoint to give transformers")
-    elif args.peers:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            errors.append("--peers needs transformers: pip install -r requirements-dev.txt")
-    if args.prompt_lookup_num_tokens < 1:
-        errors.append(f"--prompt_lookup_num_tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
-    if not args.no_plot and not args.random_weights and not args.dry_run:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            errors.append("the PNG plot needs matplotlib: pip install -r requirements-dev.txt (or pass --no_plot)")
+    plot = not (args.no_plot or args.random_weights or args.dry_run)
+    for wanted, module, what in ((args.peers, "transformers", "--peers"), (plot, "matplotlib", "the PNG plot")):
+        if wanted and importlib.util.find_spec(module) is None:  # (requirements-dev.txt has both)
+            errors.append(f"{what} needs {module}: pip install -r requirements-dev.txt"
+                          + " (or pass --no_plot)" * (module == "matplotlib"))
     if errors:
         p.error("\n  ".join(errors))
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") or args.batch_invariant else "float32"
-    if args.batch_invariant and args.random_weights:
-        p.error("--batch_invariant is for MT-bench runs (a trained target and head), not --random_weights")
+    if args.dtype == "auto":  # as generate.py: eager on a CPU the mode holds in bf16 only
+        eager_invariant = args.batch_invariant and not args.compile
+        args.dtype = "bfloat16" if eager_invariant else defaults.row(args.device, args.compile).dtype
     if args.batch_invariant:
-        problem = gen.batch_invariant_problem(args.device, args.dtype, args.compile, args.checkpoint_path)
+        problem = invariant.problem(args.device, args.dtype, args.compile, mode_from_path(args.checkpoint_path)[0],
+                                    tp.launched_by_torchrun())
         if problem:
             p.error(problem)
     if args.out is None:
-        name = f"random-{args.model_name}" if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
+        name = f"random-{Path(args.model_name).stem if args.model_name.endswith('.json') else args.model_name}" \
+            if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
         args.out = ROOT / "benchmarks" / name
-    if args.random_weights:  # the shape of the rounds measured (auto is for MT-bench)
-        args.tree_top_k, args.tree_depth = args.tree_top_k or 10, args.tree_depth or 6
-    if args.steps is None:
-        args.steps = 100 if args.device.startswith("cuda") else 10
-    if args.time_budget is None:
-        args.time_budget = float("inf")
+    if args.random_weights:  # the shape of the rounds measured
+        args.tree_top_k, args.tree_depth = args.tree_top_k or TREE_TOP_K, args.tree_depth or TREE_DEPTH["eagle2"]
+    args.steps = args.steps or (100 if args.device.startswith("cuda") else 10)
+    args.time_budget = float("inf") if args.time_budget is None else args.time_budget
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# Shared by both modes
-# ---------------------------------------------------------------------------------------------
+# ---- shared by both modes ----------------------------------------------------------------
 def hardware_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    return f"{speculative.cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-
-
-def peak_memory_gb(device: str) -> float:
-    """GPU: the peak since the last torch.cuda.reset_peak_memory_stats(); CPU: the process's peak RSS."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 def allow_many_graphs():
@@ -276,12 +230,17 @@ def allow_many_graphs():
 
 def header(args, argv) -> dict:
     return {"hardware": hardware_name(args.device), "device": args.device, "dtype": args.dtype,
-            "draft3_dtype": getattr(args, "draft3_dtype", None) or args.dtype,
-            "compiled": args.compile, "attention": args.attention, "torch": torch.__version__,
-            "batch_invariant": getattr(args, "batch_invariant", False),
+            "draft3_dtype": args.draft3_dtype or args.dtype, "compiled": args.compile, "attention": args.attention,
+            "torch": torch.__version__, "batch_invariant": args.batch_invariant,
             "tensor_parallel": args.shard.world_size if args.shard else 1,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
+
+
+def header_markdown(report: dict, title: str) -> list:
+    return [f"# {title}, {report['hardware']}", "", f"- date: {report['date']}", f"- command: `{report['command']}`",
+            f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, attention: "
+            f"{report['attention']}, torch {report['torch']}" + (", batch-invariant target" if report["batch_invariant"] else "")]
 
 
 def write_json(path: Path, report: dict):
@@ -289,9 +248,51 @@ def write_json(path: Path, report: dict):
     path.write_text(json.dumps(report, indent=1) + "\n")
 
 
-# ---------------------------------------------------------------------------------------------
-# MT-bench
-# ---------------------------------------------------------------------------------------------
+def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
+    """Mean time of fn() over `calls` back-to-back calls (one sync at each end), after warm-up
+    calls that compile and record CUDA graphs."""
+    for _ in range(warmup):
+        fn()
+    device_sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    device_sync(device)
+    return (time.perf_counter() - t) / calls
+
+
+def step_timer(model: Transformer, step, prompt: torch.Tensor):
+    """A function that runs one greedy plain decode step (`step`, decode_one_token's signature) in
+    place, one position further each call, after prefilling prompt [1, L]: what a CUDA graph replays."""
+    token = gen.prefill(model, prompt, 0.0, None, None)
+    input_pos = torch.tensor([prompt.size(1)], device=prompt.device)
+
+    def one_step():
+        token.copy_(step(model, token.clone(), input_pos, 0.0, None, None))
+        input_pos.add_(1)
+    return one_step
+
+
+def plain_decoders(args, model: Transformer, stop_ids, name: str, compiled: bool) -> tuple:
+    """({(name, temperature): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)}, the decode step):
+    plain decoding of model, its step compiled as generate.py compiles it (CUDA graphs on CUDA)."""
+    step, first = gen.decode_one_token, gen.prefill
+    if compiled:
+        step = compile_step(gen.decode_one_token, args.device, model)
+        if args.compile_prefill:
+            first = compile_prefill(gen.prefill, args.device, model)
+
+    def plain(T):
+        def decode(prompt_ids, max_new_tokens):
+            prompt = torch.tensor([prompt_ids], device=args.device)
+            ids = gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T, prefill_fn=first,
+                               decode_fn=step)[0]
+            return ids, gen.Forwards([1] * (len(ids) - 1))  # one token per forward after the prefill
+        return decode
+    return {(name, T): plain(T) for T in args.temperatures}, step
+
+
+# ---- MT-bench --------------------------------------------------------------------------------
 def load_questions(path: Path, n=None) -> list:
     """The question file's records; with n, n of them taken in turn from each category (file order kept)."""
     questions = []
@@ -308,67 +309,71 @@ def load_questions(path: Path, n=None) -> list:
         questions.append(dict(q, question_id=q.get("question_id", i), category=q.get("category", "all")))
     if not questions:
         raise ValueError(f"{path} holds no questions")
-    if n is None or n >= len(questions):
-        return questions
     by_category = {}
     for q in questions:
         by_category.setdefault(q["category"], []).append(q)
-    picked, rank = [], 0
-    while len(picked) < n:
-        picked += [qs[rank] for qs in by_category.values() if rank < len(qs)][: n - len(picked)]
-        rank += 1
-    return sorted(picked, key=questions.index)
+    in_turn = [qs[rank] for rank in range(len(questions)) for qs in by_category.values() if rank < len(qs)]
+    return sorted(in_turn[:n], key=questions.index)
+
+
+def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
+    """The prompt ids of question q's turn (0-based): its user turns up to `turn`, each earlier one
+    followed by its answer in answers, in the chat template."""
+    messages = []
+    for i in range(turn + 1):
+        messages.append({"role": "user", "content": q["turns"][i]})
+        if i < turn:
+            messages.append({"role": "assistant", "content": answers[i]})
+    return tokenizer.apply_chat_template(messages)
 
 
 def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) -> dict:
-    """{(method, temperature): the speculative tree's shape, or None where --tree_tokens auto
-    chose vanilla decoding}. A shape is dict(static=...) or dict(tree_top_k, tree_depth, tree_tokens).
-    auto measures on probes (generate.probe_prompts: no evaluation data), in the mode of the run."""
+    """{(method, temperature): the Speculator's tree arguments, or None where --tree_tokens auto
+    chose plain decoding}."""
     statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]), "eagle": static_tree(mc_sim_7b_63)}
     shapes = {}
     for method in args.methods[1:]:
+        base = method.removesuffix("+lookup")
         for T in args.temperatures:
             if method == "lookup":
                 shapes[method, T] = dict(lookup=args.lookup_alone)
-                continue
-            if method in statics:
+            elif method in statics:
                 shapes[method, T] = dict(static=statics[method])
-                continue
-            if method.endswith("+lookup"):  # the plain method's tree, and lookup's chain
-                base = method.removesuffix("+lookup")
-                shape = shapes.get((base, T)) or tree_shapes(
-                    argparse.Namespace(**{**vars(args), "methods": ["vanilla", base], "temperatures": [T]}),
-                    model, drafts, probes, stop_ids)[base, T]
+            elif method != base:  # the plain method's tree, and lookup's chain below it
+                shape = shapes[base, T] if (base, T) in shapes else \
+                    dynamic_shape(args, base, T, model, drafts, probes, stop_ids)
                 shapes[method, T] = None if shape is None else dict(shape, lookup=args.lookup)
-                continue
-            depth = args.tree_depth3 if method == "eagle3" else args.tree_depth
-            if args.tree_tokens != "auto":
-                shapes[method, T] = dict(tree_top_k=args.tree_top_k or 10, tree_depth=depth or gen.SPECULATE[method][
-                    "depth"], tree_tokens=args.tree_tokens)
-                continue
-            head = args.draft3_checkpoint_path if method == "eagle3" else args.draft_checkpoint_path
-            print(f"{method} at temperature {T:g}:", file=sys.stderr)
-            shapes[method, T] = speculative.auto_shape(
-                model, drafts[HEAD_OF[method]], probes, stop_ids=stop_ids, temperature=T,
-                top_ks=speculative.AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
-                depths=range(1, 9) if depth is None else (depth,),
-                cuda_graphs=args.compile and args.device.startswith("cuda"),
-                compiled_cpu=args.compile and args.device == "cpu",
-                cache_key=dict(speculative.machine_key(args.device), model=speculative.file_key(args.checkpoint_path),
-                               draft=speculative.file_key(head), dtype=args.dtype, compiled=args.compile,
-                               draft_dtype=(args.draft3_dtype or args.dtype) if method == "eagle3" else args.dtype,
-                               packed=not args.compile))
+            else:
+                shapes[method, T] = dynamic_shape(args, method, T, model, drafts, probes, stop_ids)
     return shapes
 
 
+def dynamic_shape(args, method: str, T: float, model: Transformer, drafts: dict, probes: list, stop_ids):
+    """eagle2's or eagle3's tree: the flags', or with --tree_tokens auto what autoshape.py chooses
+    from costs measured on probe prompts (no evaluation data) in the run's mode."""
+    depth = args.tree_depth3 if method == "eagle3" else args.tree_depth
+    if args.tree_tokens != "auto":
+        return dict(tree_top_k=args.tree_top_k or TREE_TOP_K, tree_depth=depth or TREE_DEPTH[method],
+                    tree_tokens=args.tree_tokens)
+    head = args.draft3_checkpoint_path if method == "eagle3" else args.draft_checkpoint_path
+    print(f"{method} at temperature {T:g}:", file=sys.stderr)
+    return auto_shape(model, drafts[HEAD_OF[method]], probes, stop_ids=stop_ids, temperature=T,
+                      top_ks=AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
+                      depths=range(1, 9) if depth is None else (depth,),
+                      cuda_graphs=args.compile and args.device.startswith("cuda"),
+                      compiled_cpu=args.compile and args.device == "cpu",
+                      cache_key=dict(machine_key(args.device), model=file_key(args.checkpoint_path),
+                                     draft=file_key(head), dtype=args.dtype, compiled=args.compile,
+                                     draft_dtype=(args.draft3_dtype or args.dtype) if method == "eagle3" else args.dtype,
+                                     packed=not args.compile))
+
+
 def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
-    """{(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, generate.Forwards or None)},
-    and the tree shapes (tree_shapes). All methods share the target and the drafts and their
+    """({(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, generate.Forwards)},
+    the tree shapes, vanilla's decode step). All methods share the target, the drafts and their
     caches, allocated here once for the largest tree, before anything is compiled."""
-    device = args.device
     shapes = tree_shapes(args, model, drafts, probes, stop_ids)
-    specs = {key: speculative.Speculator(model, drafts.get(HEAD_OF[key[0]]), stop_ids=stop_ids, temperature=key[1],
-                                         **shape)
+    specs = {key: Speculator(model, drafts.get(HEAD_OF[key[0]]), stop_ids=stop_ids, temperature=key[1], **shape)
              for key, shape in shapes.items() if shape is not None}
     room = context + 2 * (max([s.depth for s in specs.values()], default=0) + 1)  # the last round's overshoot
     model.setup_caches(1, room + max([s.n_nodes for s in specs.values()], default=0))
@@ -377,35 +382,23 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
         draft.setup_caches(1, room + max(regions, default=0))
     if args.compile:
         allow_many_graphs()
-        gen.compile_decoding(device, args.compile_prefill, model)
-
-    def vanilla(sampling):
-        def decode(prompt_ids, max_new_tokens):
-            prompt = torch.tensor([prompt_ids], device=device)
-            # gen.prefill / gen.decode_one_token are looked up now: compile_decoding rebinds them
-            return gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, prefill_fn=gen.prefill,
-                                decode_fn=gen.decode_one_token, **sampling)[0], None
-        return decode
-
-    decoders = {}
+    decoders, step = plain_decoders(args, model, stop_ids, "vanilla", args.compile)
     for T in args.temperatures:
-        for method in args.methods:
+        for method in args.methods[1:]:
             if (method, T) in specs:  # generate.py's decoder: caches, compiled round, its checks
                 decoders[method, T] = gen.speculative_decoder(args, specs[method, T], context, method in ADAPTIVE)
-            else:  # vanilla, or a method for which --tree_tokens auto chose vanilla decoding
-                decoders[method, T] = vanilla(dict(temperature=T, top_k=None, top_p=None))
-    return decoders, shapes
+            else:  # --tree_tokens auto chose plain decoding
+                decoders[method, T] = decoders["vanilla", T]
+    return decoders, shapes, step
 
 
 def build_peers(args, model: Transformer, stop_ids) -> dict:
-    """{(peer, temperature): decode(prompt_ids, max_new_tokens) -> (ids, Forwards: tokens per forward
-    after the first)} for --peers: transformers' generate on a copy of the target's weights, same dtype
-    and device, same stop tokens, so that its rows are measured exactly like ours. Eager, with
-    generate's default cache (dynamic: it grows with the answer; a static one is what
-    transformers compiles with, and its prompt lookup refuses one), SDPA attention, use_cache."""
-    from convert_hf_checkpoint import hf_model_from_ours
+    """{(peer, temperature): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)} for --peers:
+    transformers' generate on a copy of the target's weights, same dtype, device and stop tokens;
+    eager, with its default dynamic cache (its prompt lookup refuses a static one)."""
+    import convert_hf_checkpoint  # only here: it imports gguf, and hf_model_from_ours transformers
 
-    hf = hf_model_from_ours(model)
+    hf = convert_hf_checkpoint.hf_model_from_ours(model)
     stop = sorted(stop_ids)
 
     def peer(options):
@@ -414,8 +407,8 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
             lengths = []
 
             def record_length(input_ids, scores, **kwargs):
-                # A stopping criterion that never stops: generate checks its criteria once per
-                # forward, so the lengths it sees give the tokens each forward emitted.
+                # a stopping criterion that never stops: generate checks it once per forward, so the
+                # lengths it sees give the tokens each forward emitted
                 lengths.append(input_ids.shape[1])
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -423,60 +416,26 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
                 out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                                   eos_token_id=stop or None, pad_token_id=stop[0] if stop else None, use_cache=True,
                                   stopping_criteria=[record_length], **options)
-            # As speculative_generate counts rounds: the first forward is the prefill (with prompt
-            # lookup it also checks guesses from the prompt, so it may emit more than one token).
+            # as speculative_generate counts rounds: the first forward is the prefill (with prompt
+            # lookup it also checks guesses from the prompt, so it may emit more than one token)
             return out[0, len(prompt_ids):].tolist(), gen.Forwards([b - a for a, b in zip(lengths, lengths[1:])])
         return decode
 
     decoders = {}
     for T in args.temperatures:
-        # generate's own defaults would sample from the top 50 only: top_k=0 and top_p=1 keep the
-        # whole distribution, as our methods sample from it
+        # generate's own defaults would sample from the top 50 only: the whole distribution, as ours
         options = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
         decoders["hf", T] = peer(options)
         decoders["hf_prompt_lookup", T] = peer(dict(options, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens))
     return decoders
 
 
-def eager_float32(args, stop_ids, context: int) -> dict:
-    """{(EAGER_FLOAT32, temperature): decode} for --eager_float32: generate() on a float32 copy of
-    the checkpoint, eager, as generate.py ran on a CPU before compiled runs were its default."""
-    model = load_model(args.checkpoint_path, args.device, torch.float32, args.shard)
-    model.setup_caches(1, context)
-
-    def plain(T):
-        def decode(prompt_ids, max_new_tokens):
-            prompt = torch.tensor([prompt_ids], device=args.device)
-            return gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T)[0], None
-        return decode
-    return {(EAGER_FLOAT32, T): plain(T) for T in args.temperatures}
-
-
-def not_invariant(args, stop_ids, context: int) -> dict:
-    """{(NOT_INVARIANT, temperature): decode} for --batch_invariant: plain decoding of a copy of the
-    target without batch invariance, compiled on its own (its graph has the usual attention and
-    Inductor settings), beside the invariant vanilla: the mode's cost, measured in the same run."""
-    model = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype), args.shard)
-    model.setup_caches(1, context)
-    step = gen.compile_step(PLAIN_STEP, args.device, model) if args.compile else PLAIN_STEP
-
-    def plain(T):
-        def decode(prompt_ids, max_new_tokens):
-            prompt = torch.tensor([prompt_ids], device=args.device)
-            return gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T,
-                                decode_fn=step)[0], None
-        return decode
-    return {(NOT_INVARIANT, T): plain(T) for T in args.temperatures}
-
-
 def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
     over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
-    vanilla), for methods decoded adaptively the plain steps among the forwards and tau over the
-    rounds alone (what the head accepts), and, at temperature 0, the fraction of answers equal to
-    vanilla's."""
-    records = []
-    groups = {}
+    vanilla), the plain steps of adaptive decoding and tau over the rounds alone (what the head
+    accepts), and, at temperature 0, the fraction of answers equal to vanilla's."""
+    records, groups = [], {}
     for a in answers:
         for category in ("overall", a["category"]):
             groups.setdefault((a["method"], a["temperature"], category), []).append(a)
@@ -499,36 +458,24 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
 
 
-def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
-    """The prompt ids of question q's turn (0-based): its user turns up to `turn`, each earlier one
-    followed by its answer in answers, in the chat template."""
-    messages = []
-    for i in range(turn + 1):
-        messages.append({"role": "user", "content": q["turns"][i]})
-        if i < turn:
-            messages.append({"role": "assistant", "content": answers[i]})
-    return tokenizer.apply_chat_template(messages)
+def tree_size(shape) -> int:
+    """Tokens a round of this shape verifies, root and lookup nodes included."""
+    return (shape["static"].parents.numel() if "static" in shape else shape.get("tree_tokens", 1)) + shape.get("lookup", 0)
 
 
 def run_mt_bench(args, argv=None) -> dict:
-    from tqdm import tqdm
-
-    from tokenizer import load_tokenizer
-
     device, dtype = args.device, getattr(torch, args.dtype)
-    args.attention = set_attention_backend(args.attention, device)
-    model = load_model(args.checkpoint_path, device, dtype, args.shard)
+    model = load_model(args.checkpoint_path, device, dtype, args.shard, args.attention)
     if args.batch_invariant:
-        gen.set_batch_invariant(model)
+        invariant.enable(model)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    stop_ids = tokenizer.stop_ids
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
-    drafts = {head: load_draft(paths[head], model.config, device, draft_dtypes[head])
-              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None)}
-    for method in args.methods[1:]:
-        if HEAD_OF[method] is not None:
-            gen.check_head("eagle3" if HEAD_OF[method] == "eagle3" else "eagle2", drafts[HEAD_OF[method]],
-                           paths[HEAD_OF[method]])
+    drafts = {head: load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention)
+              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:]) if head is not None}
+    for head, draft in drafts.items():
+        gen.check_head("eagle3" if head == "eagle3" else "eagle2", draft, paths[head])
     questions = load_questions(args.question_file, args.num_questions)
     start = time.perf_counter()
 
@@ -538,35 +485,35 @@ def run_mt_bench(args, argv=None) -> dict:
     most_turns = max(len(q["turns"]) for q in questions)
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
     probe_ids = conversation(tokenizer, questions[0], 0, [])
-    peers = build_peers(args, model, tokenizer.stop_ids) if args.peers else {}  # from the plain weights
+    more = build_peers(args, model, stop_ids) if args.peers else {}  # from the weights before packing
     if not args.compile:  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
         for module in (model, *drafts.values()):
             pack_linears(module)
-    decoders, shapes = build_decoders(args, model, drafts, tokenizer.stop_ids, context, gen.probe_prompts(tokenizer))
-    if args.peers:  # run after ours, vanilla first
-        decoders.update(peers)
-        args.methods = [*args.methods, *PEERS]
-    if args.eager_float32:
-        decoders.update(eager_float32(args, tokenizer.stop_ids, context))
-        args.methods = [*args.methods, EAGER_FLOAT32]
-    if args.batch_invariant:
-        decoders.update(not_invariant(args, tokenizer.stop_ids, context))
-        args.methods = [*args.methods, NOT_INVARIANT]
+    decoders, shapes, step = build_decoders(args, model, drafts, stop_ids, context, probe_prompts(tokenizer))
+    for name, wanted, copy_dtype, compiled in ((EAGER_FLOAT32, args.eager_float32, torch.float32, False),
+                                               (NOT_INVARIANT, args.batch_invariant, dtype, args.compile)):
+        if wanted:  # plain decoding of a copy of the target: eager float32, or without the mode
+            copy = load_model(args.checkpoint_path, device, copy_dtype, args.shard, args.attention)
+            if not compiled:
+                pack_linears(copy)
+            copy.setup_caches(1, context)
+            more.update(plain_decoders(args, copy, stop_ids, name, compiled)[0])
+    decoders.update(more)
+    args.methods = [*args.methods, *dict.fromkeys(m for m, _ in more)]
 
     # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
-    for (method, T), decode in tqdm(decoders.items(), desc="warm-up", file=sys.stderr):
+    for decode in tqdm(decoders.values(), desc="warm-up", file=sys.stderr):
         decode(probe_ids, min(args.max_new_tokens, 32))
-    # The plain step and the machine's read bandwidth, in this run (before the answers: a quiet moment)
-    step = decode_step_bandwidth(model, probe_ids, device)
-    step["read_gb_s"] = read_bandwidth_gb_s(device)
-    step["fraction_of_read"] = step["gb_s"] / step["read_gb_s"]
-    print(f"plain decode step {step['step_ms']:.2f} ms: {step['gb_s']:.1f} GB/s of weights, "
-          f"{step['fraction_of_read']:.0%} of the {step['read_gb_s']:.1f} GB/s read bandwidth", file=sys.stderr)
+    # vanilla's step against the copy bandwidth, in this run (before the answers: a quiet moment)
+    step_s = seconds_per_call(step_timer(model, step, torch.tensor([probe_ids], device=device)), 40, device)
+    weight_bytes = gen.model_bytes_per_token(model)
+    decode_step = dict(step_ms=step_s * 1e3, weight_bytes=weight_bytes, gb_s=weight_bytes / step_s / 1e9,
+                       copy_gb_s=copy_bandwidth_gb_s(device))
+    decode_step["fraction_of_copy"] = decode_step["gb_s"] / decode_step["copy_gb_s"]
 
-    answers, peaks = [], {key: 0.0 for key in decoders}
-    total = sum(len(q["turns"]) for q in questions) * len(decoders)
-    bar = tqdm(total=total, desc="MT-bench answers", unit="answer", file=sys.stderr)
-    asked = []
+    answers, peaks, asked = [], {key: 0.0 for key in decoders}, []
+    bar = tqdm(total=sum(len(q["turns"]) for q in questions) * len(decoders), desc="MT-bench answers", unit="answer",
+               file=sys.stderr)
     for index, q in enumerate(questions):
         if asked and time.perf_counter() - start > args.time_budget:  # (the first question is always asked)
             print(f"--time_budget {args.time_budget:g} s reached: {len(asked)} of {len(questions)} questions asked",
@@ -585,27 +532,23 @@ def run_mt_bench(args, argv=None) -> dict:
                     torch.manual_seed(args.seed + 1000 * index + turn)  # the same seed for every method
                     if device.startswith("cuda"):
                         torch.cuda.reset_peak_memory_stats(device)
-                    speculative.device_sync(device)
+                    device_sync(device)
                     t = time.perf_counter()
                     ids, forwards = decoders[method, T](prompt_ids, max_new)
-                    speculative.device_sync(device)
+                    device_sync(device)
                     seconds = time.perf_counter() - t
-                    peaks[method, T] = max(peaks[method, T], peak_memory_gb(device))
+                    peaks[method, T] = max(peaks[method, T], gen.peak_memory_gb(device))
                     if method == "vanilla":
                         reference = ids
-                    if forwards is None:  # vanilla decoding (also eagle2 where --tree_tokens auto chose it)
-                        rounds = accepted = len(ids) - 1  # one forward per token after prefill's
-                        plain_steps = 0
-                    else:  # "rounds": target forwards, --adaptive's plain steps included
-                        rounds, accepted = len(forwards.emitted), sum(forwards.emitted)
-                        plain_steps = forwards.plain_steps
+                    # "rounds": target forwards after the prefill, adaptive decoding's plain steps included
                     answers.append(dict(question_id=q["question_id"], category=q["category"], turn=turn + 1,
                                         method=method, temperature=T, prompt_tokens=len(prompt_ids), tokens=len(ids),
-                                        seconds=seconds, rounds=rounds, accepted=accepted, plain_steps=plain_steps,
+                                        seconds=seconds, rounds=len(forwards.emitted), accepted=sum(forwards.emitted),
+                                        plain_steps=forwards.plain_steps,
                                         equal_to_vanilla=ids == reference if T == 0 else None, ids=ids))
                     bar.set_postfix_str(f"q{q['question_id']} T={T:g} {method}: {len(ids) / seconds:.1f} tok/s")
                     bar.update()
-                replies.append(tokenizer.decode([i for i in reference if i not in tokenizer.stop_ids]))
+                replies.append(tokenizer.decode([i for i in reference if i not in stop_ids]))
     bar.close()
 
     fields = dict(header(args, argv), model=args.checkpoint_path.parent.name)
@@ -617,13 +560,12 @@ def run_mt_bench(args, argv=None) -> dict:
                         peaks)
     for r in records:
         shape = shapes.get((r["method"], r["temperature"]))
-        r["tree_tokens"] = None if shape is None else (
-            shape["static"].parents.numel() if "static" in shape else shape.get("tree_tokens", 1)) + shape.get("lookup", 0)
-    return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model), decode_step=step,
-                drafts={head: str(paths[head]) for head in drafts},
-                question_file=str(args.question_file), questions=len(asked), questions_left_out=len(questions) - len(asked),
+        r["tree_tokens"] = None if shape is None else tree_size(shape)
+    return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model), decode_step=decode_step,
+                drafts={head: str(paths[head]) for head in drafts}, question_file=str(args.question_file),
+                questions=len(asked), questions_left_out=len(questions) - len(asked),
                 max_new_tokens=args.max_new_tokens, context=context, seed=args.seed, methods=method_notes(args, shapes),
-                peak_memory_note="GPU: peak allocated per method; CPU: the whole process's peak RSS, shared by all methods",
+                peak_memory_note="GPU: peak reserved per method; CPU: the whole process's peak RSS, shared by all methods",
                 records=records, answers=answers)
 
 
@@ -634,29 +576,22 @@ def method_notes(args, shapes) -> dict:
              "eagle2": "EAGLE-2 dynamic tree (EAGLE-1/2 head)", "eagle3": "EAGLE-3 head, dynamic tree",
              "lookup": f"prompt lookup alone: {args.lookup_alone} guesses from the longest earlier match, no draft",
              "eagle2+lookup": f"as eagle2, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively",
-             "eagle3+lookup": f"as eagle3, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively"}
+             "eagle3+lookup": f"as eagle3, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively",
+             NOT_INVARIANT: "plain decoding of a copy of the target without batch invariance: the mode's cost",
+             EAGER_FLOAT32: "plain decoding, eager, float32 (a copy of the weights)"}
 
-    def shape_text(shape):
-        return "vanilla decoding" if shape is None else \
-            f"top_k {shape['tree_top_k']}, depth {shape['tree_depth']}, {shape['tree_tokens']} tokens"
-
+    auto = args.tree_tokens == "auto"
     for method in ("eagle2", "eagle3", "eagle2+lookup", "eagle3+lookup"):
-        chosen = {T: shape for (m, T), shape in shapes.items() if m == method}
+        chosen = [f"T={T:g}: " + ("vanilla decoding" if s is None else f"top_k {s['tree_top_k']}, depth "
+                                  f"{s['tree_depth']}, {s['tree_tokens']} tokens") for (m, T), s in shapes.items() if m == method]
         if chosen:
-            notes[method] += (" (--tree_tokens auto chose " if args.tree_tokens == "auto" else ": ") + ", ".join(
-                f"T={T:g}: {shape_text(shape)}" for T, shape in chosen.items()) + (")" if args.tree_tokens == "auto" else "")
+            notes[method] += (" (--tree_tokens auto chose " if auto else ": ") + ", ".join(chosen) + (")" if auto else "")
     if args.peers:
         import transformers
 
-        notes["hf"] = (f"transformers {transformers.__version__} model.generate on a copy of the weights: greedy at "
-                       f"T=0, at T>0 sampling with top_k=0, top_p=1; eager, its default dynamic KV cache, SDPA; "
-                       f"τ counts the forwards after the first")
-        notes["hf_prompt_lookup"] = (f"as hf, with prompt-lookup decoding (prompt_lookup_num_tokens "
-                                     f"{args.prompt_lookup_num_tokens}): guesses copied from earlier n-grams of the "
-                                     f"prompt and answer, checked in one forward")
-    notes[NOT_INVARIANT] = ("plain decoding of a copy of the target without batch invariance (the mode's cost; its "
-                            "answers may differ from vanilla's in bf16)")
-    notes[EAGER_FLOAT32] = "plain decoding, eager, float32 (a copy of the weights): the CPU default before --compile"
+        notes["hf"] = (f"transformers {transformers.__version__} model.generate, same weights, eager, SDPA; at T>0 "
+                       f"top_k=0, top_p=1")
+        notes["hf_prompt_lookup"] = f"as hf, with prompt_lookup_num_tokens {args.prompt_lookup_num_tokens}"
     return {m: notes[m] for m in args.methods}
 
 
@@ -665,35 +600,24 @@ def _fmt(x, spec=".2f", none="–"):
 
 
 def mt_bench_markdown(report: dict) -> str:
-    lines = [f"# MT-bench: {report['model']}, {report['hardware']}", "",
-             f"- date: {report['date']}", f"- command: `{report['command']}`",
-             f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
-             f"attention: {report['attention']}, torch {report['torch']}"
-             + (", batch-invariant target" if report.get("batch_invariant") else ""),
+    step = report["decode_step"]
+    lines = [*header_markdown(report, f"MT-bench: {report['model']}"),
              f"- heads: {', '.join(f'{k}: {v}' for k, v in report['drafts'].items()) or 'none'}",
-             f"- {report['questions']} questions (both turns) from {Path(report['question_file']).name}, "
+             f"- {report['questions']} questions (all turns) from {Path(report['question_file']).name}, "
              f"up to {report['max_new_tokens']} new tokens per answer"
              + (f" ({report['questions_left_out']} more left out by --time_budget)" if report["questions_left_out"] else ""),
              *[f"- {m}: {note}" for m, note in report["methods"].items()],
              f"- peak memory: {report['peak_memory_note']}",
-             *([f"- plain decode step (vanilla, T=0, median of 40): {report['decode_step']['step_ms']:.2f} ms, "
-                f"{report['decode_step']['gb_s']:.1f} GB/s of weights = {report['decode_step']['fraction_of_read']:.0%} "
-                f"of the machine's read bandwidth, {report['decode_step']['read_gb_s']:.1f} GB/s (both in this run)"]
-               if "decode_step" in report else []), "",
-             "| method | temperature | tok/s | speedup | τ | equal to vanilla | peak memory (GB) | tokens | rounds |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    overall = [r for r in report["records"] if r["category"] == "overall"]
-    for r in overall:
+             f"- plain decode step (vanilla, T=0, mean of 40): {step['step_ms']:.2f} ms, {step['gb_s']:.1f} GB/s of "
+             f"weights = {step['fraction_of_copy']:.0%} of a copy's {step['copy_gb_s']:.1f} GB/s (this run)",
+             "", "τ: tokens per target forward; of rounds: over the speculative rounds alone, without adaptive "
+             "decoding's plain steps (1 token each).", "",
+             "| method | temperature | tok/s | speedup | τ | τ of rounds | plain steps | equal to vanilla | "
+             "peak memory (GB) | tokens | forwards |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in report["records"] if r["category"] == "overall"):
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | "
-                     f"{_fmt(r['mean_accepted'])} | {_fmt(r['equal_to_vanilla'], '.0%')} | {r['peak_memory_gb']:.2f} | "
-                     f"{r['tokens']} | {r['rounds']} |")
-    adaptive = [r for r in overall if r.get("plain_steps")]
-    if adaptive:
-        lines += ["", "τ above counts every target forward; --adaptive's plain steps (1 token each) are among "
-                  "them. Over the speculative rounds alone (what the head accepts):", ""]
-        lines += [f"- {r['method']} at T={r['temperature']:g}: τ {_fmt(r['round_tau'])} over "
-                  f"{r['rounds'] - r['plain_steps']} rounds; {r['plain_steps']} plain steps "
-                  f"({r['plain_steps'] / r['rounds']:.0%} of the forwards)" for r in adaptive]
+                     f"{_fmt(r['mean_accepted'])} | {_fmt(r['round_tau'])} | {r['plain_steps']} | "
+                     f"{_fmt(r['equal_to_vanilla'], '.0%')} | {r['peak_memory_gb']:.2f} | {r['tokens']} | {r['rounds']} |")
     methods = list(report["methods"])
     lines += ["", "Per category: vanilla tok/s, and speedup (τ) of each method.", "",
               "| category | temperature | vanilla tok/s | " + " | ".join(methods[1:]) + " |",
@@ -708,7 +632,7 @@ def mt_bench_markdown(report: dict) -> str:
 
 def mt_bench_plot(report: dict, path: Path):
     """Speedup over vanilla per category and overall, one panel per temperature."""
-    import matplotlib
+    import matplotlib  # requirements-dev.txt; --no_plot runs without it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -733,114 +657,49 @@ def mt_bench_plot(report: dict, path: Path):
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------
-# Random weights: roofline and round cost of a real-shaped model, no checkpoint needed
-# ---------------------------------------------------------------------------------------------
-def random_init(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A module built on the meta device, allocated directly on `device` in `dtype` (a 7B model never
-    exists in float32) and filled with random weights: norms 1, everything else N(0, 0.02^2)."""
-    module = module.to(dtype=dtype).to_empty(device=device)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return module.eval()
-
-
-def random_model(config: ModelArgs, device: str, dtype: torch.dtype, shard=None) -> Transformer:
-    """With a tp.Shard, only this rank's part. Every rank draws the same random numbers for the
-    replicated weights (same seed, same shapes in the same order)."""
+# ---- random weights: bandwidth and round cost of a real-shaped model -------------------------
+def random_modules(config: ModelArgs, methods, device: str, dtype: torch.dtype, shard=None) -> tuple:
+    """The target (with a tp.Shard, this rank's part) and {"eagle": an EAGLE-1/2 head, "eagle3": an
+    EAGLE-3 head with a reduced vocabulary, as published} as the methods need them: built on the
+    meta device, allocated on `device` in `dtype` (a 7B model never exists in float32) and filled
+    with random weights, norms 1 and the rest N(0, 0.02^2). Every rank draws the same numbers for
+    the replicated weights (same seed, same shapes in the same order)."""
     with torch.device("meta"):
         model = Transformer(config)
+        drafts = {"eagle": EagleDraft(draft_config_for(config)),
+                  "eagle3": Eagle3Draft(draft_config_for(config), min(EAGLE3_DRAFT_VOCAB, config.vocab_size),
+                                        eagle3_layer_ids(config.n_layer))}
+    drafts = {arch: d for arch, d in drafts.items() if arch in ("eagle3" if m == "eagle3" else "eagle" for m in methods)}
     if shard is not None:
         tp.shard_model(model, shard)
-    model = random_init(model, device, dtype)
+    for module in (model, *drafts.values()):
+        module.to(dtype=dtype).to_empty(device=device).eval()
+        for name, p in module.named_parameters():
+            p.data.fill_(1.0) if name.endswith("norm.weight") else p.data.normal_(0.0, 0.02)
     if config.tie_embeddings:  # to_empty made two tensors of the shared one
         model.output.weight = model.tok_embeddings.weight
-    return model
+    if "eagle3" in drafts:  # a buffer, not a weight: to_empty left it undefined
+        drafts["eagle3"].vocab = torch.arange(drafts["eagle3"].draft_vocab_size, device=device)
+    return model, drafts
 
 
-def random_drafts(config: ModelArgs, methods, device: str, dtype: torch.dtype) -> dict:
-    """Random drafts for the methods: {"eagle": an EAGLE-1/2 head, "eagle3": an EAGLE-3 head with
-    a reduced vocabulary, as published}."""
-    drafts = {}
-    with torch.device("meta"):
-        if {"eagle", "eagle2"} & set(methods):
-            drafts["eagle"] = EagleDraft(draft_config_for(config))
-        if "eagle3" in methods:
-            drafts["eagle3"] = Eagle3Draft(draft_config_for(config), min(EAGLE3_DRAFT_VOCAB, config.vocab_size),
-                                           eagle3_layer_ids(config.n_layer))
-    for arch, draft in drafts.items():
-        vocab = draft.vocab if arch == "eagle3" else None  # a buffer, not a weight: to_empty would lose it
-        drafts[arch] = random_init(draft, device, dtype)
-        if vocab is not None:
-            drafts[arch].vocab = torch.arange(vocab.numel(), device=device)
-    return drafts
-
-
-def copy_bandwidth_gb_s(device: str, nbytes: int, repeats: int = 20) -> float:
-    """Device-to-device copy of nbytes, counted as read + write (2 * nbytes per copy)."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+def copy_bandwidth_gb_s(device: str, repeats: int = 20) -> float:
+    """A device-to-device copy, counted as read + write: what a decode step's weight reads can
+    reach at most. 1 GiB on CUDA, 256 MiB on a CPU: past any cache."""
+    src = torch.ones((1 << 30) if device.startswith("cuda") else (256 << 20), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    speculative.device_sync(device)
+    device_sync(device)
     t = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    speculative.device_sync(device)
-    return 2 * nbytes * repeats / (time.perf_counter() - t) / 1e9
-
-
-def read_bandwidth_gb_s(device: str, nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Reading nbytes (float32, summed), the median of repeats: what a decode step's weight reads
-    can reach at most. 1 GiB: far past any cache."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        speculative.device_sync(device)
-        t = time.perf_counter()
-        x.sum()
-        speculative.device_sync(device)
-        times.append(time.perf_counter() - t)
-    return nbytes / sorted(times[1:])[repeats // 2] / 1e9
-
-
-@torch.no_grad()
-def decode_step_bandwidth(model: Transformer, prompt_ids, device: str, steps: int = 40) -> dict:
-    """One plain decode step as the run decodes (gen.decode_one_token, compiled if the run is):
-    the median of `steps` after a warm-up, and the bandwidth of the weights it reads."""
-    token = gen.prefill(model, torch.tensor([prompt_ids], device=device), 0.0, None, None)
-    position = torch.tensor([len(prompt_ids)], device=device)
-    times = []
-    for _ in range(steps + 5):
-        speculative.device_sync(device)
-        t = time.perf_counter()
-        token = gen.decode_one_token(model, token.clone(), position, 0.0, None, None)
-        speculative.device_sync(device)
-        times.append(time.perf_counter() - t)
-        position += 1
-    step, weight_bytes = sorted(times[5:])[steps // 2], gen.model_bytes_per_token(model)
-    return dict(step_ms=step * 1e3, weight_bytes=weight_bytes, gb_s=weight_bytes / step / 1e9)
-
-
-def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
-    """Mean time of fn() over `calls` back-to-back calls (one sync at each end), after warm-up
-    calls that compile and record CUDA graphs."""
-    for _ in range(warmup):
-        fn()
-    speculative.device_sync(device)
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    speculative.device_sync(device)
-    return (time.perf_counter() - t) / calls
+    device_sync(device)
+    return 2 * src.numel() * repeats / (time.perf_counter() - t) / 1e9
 
 
 def round_plan(args) -> list:
     """(method, tree size) pairs in the order they are measured: the headline size of each method
-    first (what a short --time_budget or --compiled_rounds keeps), then the other sizes."""
+    first (what a short --time_budget keeps), then the other sizes."""
     dynamic = [m for m in ("eagle2", "eagle3") if m in args.methods]
     first = [(m, args.tree_tokens) for m in dynamic] + [("eagle", 26)] * ("eagle" in args.methods)
     rest = [(m, T) for m in dynamic for T in sorted(args.tree_sizes) if T != args.tree_tokens]
@@ -850,173 +709,131 @@ def round_plan(args) -> list:
 @torch.no_grad()
 def run_random_weights(args, argv=None) -> dict:
     start = time.perf_counter()
-    device, dtype = args.device, getattr(torch, args.dtype)
-    cuda = device.startswith("cuda")
-    args.attention = set_attention_backend(args.attention, device)
-    config = ModelArgs.from_name(args.model_name)
+    device, dtype, cuda = args.device, getattr(torch, args.dtype), args.device.startswith("cuda")
+    config = model_config(args.model_name)
     torch.manual_seed(args.seed)
-    model = random_model(config, device, dtype, args.shard)
+    model, drafts = random_modules(config, args.methods, device, dtype, args.shard)  # heads stay in dtype
     parameters = sum(p.numel() for p in model.parameters())
     quantized = quantize_model(model, args.quantize, args.groupsize) if args.quantize else []
     pack_int4(model)
-    drafts = random_drafts(config, args.methods, device, dtype)  # in the float dtype, also for a quantized target
+    for module in (model, *drafts.values()):
+        use_attention(module, args.attention)
     plan = round_plan(args)
-    n_compiled = 0 if not args.compile else len(plan) if args.compiled_rounds is None else args.compiled_rounds
     warmup, P, depth = 3, args.prompt_length, max(args.tree_depth, 5)  # 5: the static tree's depth
     largest = max(T for _, T in plan)
-    # prompt, warm-up and timed rounds (each emits at most depth + 1 tokens; one more warm-up
-    # round before a CUDA-graph capture), room for the last round's overshoot, the tree region
+    # prompt, warm-up and timed rounds (each emits at most depth + 1 tokens; two more calls for a
+    # CUDA-graph capture), room for the last round's overshoot, the tree region
     context = P + (warmup + args.steps + 2) * (depth + 1) + 2 * (depth + 1)
     model.setup_caches(1, context + largest)
     for draft in drafts.values():
         draft.setup_caches(1, context + max(largest, dynamic_tree_slots(args.tree_top_k, args.tree_depth)))
     weight_bytes = gen.model_bytes_per_token(model)
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    kv_bytes = model.kv_storage.numel() * model.kv_storage.element_size()
-    draft_bytes = sum(t.numel() * t.element_size() for d in drafts.values() for t in d.state_dict().values())
-    eager_decode = gen.decode_one_token  # compile_decoding rebinds the module's name
+    timing = "compiled" if args.compile else "cuda graph" if cuda else "eager"  # the step's and every round's
     if args.compile:
         allow_many_graphs()
-        gen.compile_decoding(device, args.compile_prefill, model)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-
-    copy_bytes = (1 << 30) if cuda else (256 << 20)
-    copy_gb_s = copy_bandwidth_gb_s(device, copy_bytes)
     report = dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
                   weights="random", quantize=args.quantize and (args.quantize if args.quantize == "int8"
                                                                 else f"int4 g{args.groupsize}"),
-                  quantized=quantized, parameters=parameters,
-                  weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps,
-                  tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                  memory_needed_gb=(state_bytes + kv_bytes + draft_bytes + 2 * copy_bytes) / 1e9,
-                  copy_gb_s=copy_gb_s, time_budget_s=args.time_budget, rounds=[], skipped=[],
-                  weight_bytes_per_rank=tp.weight_bytes(model))
+                  quantized=quantized, parameters=parameters, weight_bytes_per_token=weight_bytes, prompt_length=P,
+                  steps=args.steps, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, timing=timing,
+                  copy_gb_s=copy_bandwidth_gb_s(device), time_budget_s=args.time_budget, rounds=[],
+                  skipped=[], tp_timing=None, weight_bytes_per_rank=tp.weight_bytes(model))
 
     def save():  # after every measurement: a run stopped from outside keeps what it measured
-        report.update(peak_memory_gb=peak_memory_gb(device), seconds=time.perf_counter() - start)
+        report.update(peak_memory_gb=gen.peak_memory_gb(device), seconds=time.perf_counter() - start)
         write_json(Path(str(args.out) + ".json"), report)
 
-    # (a) vanilla decode: one step per call, positions after the prompt, timed in each way rounds
-    # are: compiled (with --compile), and as CUDA-graph replays of the eager step (CUDA) or eager.
+    def timed(fn):  # fn as this run times it: compiled (or eager) as it is, or replayed as a CUDA graph
+        return cuda_graph(fn) if timing == "cuda graph" else fn
+
+    def plain_step():  # a fresh decode step: compiled ones see the model's hooks as they are now
+        step = compile_step(gen.decode_one_token, device, model) if args.compile else gen.decode_one_token
+        return timed(step_timer(model, step, prompt))
+
+    # (a) plain decoding: one step per call, positions after the prompt
     prompt = torch.randint(0, config.vocab_size, (1, P), device=device)
-    token = gen.prefill(model, prompt, 0.0, None, None)
-    input_pos = torch.tensor([P], device=device)
-
-    def step_with(decode):
-        def step():
-            token.copy_(decode(model, token.clone(), input_pos, 0.0, None, None))
-            input_pos.add_(1)
-        return step
-
-    cheap = "cuda graph" if cuda else "eager"  # how the rounds that are not compiled are timed
-    steps = {}
-    if args.compile:
-        t = time.perf_counter()
-        steps["compiled"] = seconds_per_call(step_with(gen.decode_one_token), args.steps, device, warmup)
-        report["vanilla_warmup_s"] = time.perf_counter() - t - steps["compiled"] * args.steps
-    if n_compiled < len(plan):
-        eager = step_with(eager_decode)
-        steps[cheap] = seconds_per_call(speculative.cuda_graph(eager) if cuda else eager, args.steps, device, warmup)
-    main = steps.get("compiled", steps.get(cheap))
-    report["vanilla"] = dict(tokens_per_s=1 / main, step_ms=main * 1e3, gb_s=weight_bytes / main / 1e9,
-                             fraction_of_copy=weight_bytes / main / 1e9 / copy_gb_s, timing=next(iter(steps)),
-                             step_ms_by_timing={k: v * 1e3 for k, v in steps.items()})
+    t = time.perf_counter()
+    step_s = seconds_per_call(plain_step(), args.steps, device, warmup)
+    report["vanilla"] = dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=weight_bytes / step_s / 1e9,
+                             fraction_of_copy=weight_bytes / step_s / 1e9 / report["copy_gb_s"],
+                             warmup_s=time.perf_counter() - t - step_s * args.steps)
     save()
-    tp_timing = tp_step_timing(model, step_with(gen.decode_one_token if args.compile else eager_decode), main, args) \
-        if args.tp_timing else None
+    if args.tp_timing:
+        report["tp_timing"] = tp_step_timing(model, plain_step, step_s, args)
 
     # (b) one round per (method, size): draft catch-up and growth, verify, accept, compaction
-    statics = {"eagle": static_tree(mc_sim_7b_63)}
     for i, (method, T) in enumerate(plan):
         if time.perf_counter() - start > args.time_budget:
             report["skipped"] = [dict(method=m, tree_tokens=n, why="time budget") for m, n in plan[i:]]
             print(f"--time_budget {args.time_budget:g} s reached: {len(plan) - i} rounds left out", file=sys.stderr)
             break
-        draft = drafts["eagle3" if method == "eagle3" else "eagle"]
-        if method in statics:
-            spec = speculative.Speculator(model, draft, static=statics[method])
-        else:
-            spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
-                                          tree_tokens=T)
+        tree = dict(static=static_tree(mc_sim_7b_63)) if method == "eagle" else \
+            dict(tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=T)
+        spec = Speculator(model, drafts["eagle3" if method == "eagle3" else "eagle"], **tree)
         spec.setup(1, context)
-        timing = "compiled" if i < n_compiled else cheap
-        if timing == "compiled":
-            speculative.compile_round(spec, args.compile_prefill)
+        if args.compile:
+            compile_round(spec, args.compile_prefill)
         spec.prefill(prompt, context - P - 2 * (depth + 1))
         t = time.perf_counter()
-        round_fn = speculative.cuda_graph(spec.round) if timing == "cuda graph" else spec.round
-        round_s = seconds_per_call(round_fn, args.steps, device, warmup)
-        compile_s = time.perf_counter() - t - round_s * args.steps
+        round_s = seconds_per_call(timed(spec.round), args.steps, device, warmup)
         report["rounds"].append(dict(method=method, tree_tokens=T, timing=timing, round_ms=round_s * 1e3,
-                                     cost_vs_step=round_s / steps[timing], warmup_s=compile_s))
+                                     cost_vs_step=round_s / step_s, warmup_s=time.perf_counter() - t - round_s * args.steps))
         print(f"{method} {T:4d} tree tokens ({timing}): a round takes {round_s * 1e3:.2f} ms = "
-              f"{round_s / steps[timing]:.2f} vanilla steps", file=sys.stderr)
+              f"{round_s / step_s:.2f} plain steps", file=sys.stderr)
         save()
 
-    # (c) what those costs predict: a round emits tau tokens, vanilla needs tau steps for them
-    report["tp_timing"] = tp_timing
+    # (c) what those costs predict: a round emits tau tokens, plain decoding needs tau steps for them
     report["predicted"] = [dict(tau=tau, method=r["method"], tree_tokens=r["tree_tokens"], timing=r["timing"],
                                 speedup=tau / r["cost_vs_step"]) for tau in args.tau for r in report["rounds"]]
     save()
     return report
 
 
-def tp_step_timing(model: Transformer, step, step_s: float, args) -> dict:
+def tp_step_timing(model: Transformer, plain_step, step_s: float, args) -> dict:
     """(d) of --tp_timing: a tensor-parallel decode step (step_s, measured) against the same step
     with its all-reduces removed (each rank computes its own shard and nothing else: the tokens
-    are wrong, the work is the same) and against the all-reduces alone, 2 per layer of [1, 1, dim]
-    each, chained as in the model (each added to the residual stream before the next). If the
-    step costs its shard's compute plus its collectives, step = without + all-reduces."""
-    sharded = [m for m in model.modules() if getattr(m, "tp_reduce", None) is not None]
-    for m in sharded:
-        m.tp_reduce = None
-    local_s = seconds_per_call(step, args.steps, args.device, 3)
-    for m in sharded:
-        m.tp_reduce = tp.all_reduce_sum
+    are wrong, the work is the same) and against the all-reduces alone, chained as in the model
+    (each added to the residual stream before the next). If the step costs its shard's compute
+    plus its collectives, step = without + all-reduces."""
+    n = tp.set_all_reduces(model, False)
+    local_s = seconds_per_call(plain_step(), args.steps, args.device)
+    tp.set_all_reduces(model, True)
     x = torch.zeros(1, 1, model.config.dim, dtype=model.norm.weight.dtype, device=args.device)
 
     def all_reduces():
         y = x
-        for _ in sharded:
+        for _ in range(n):
             y = y + tp.all_reduce_sum(y)
         return y
 
     if args.compile:
         all_reduces = torch.compile(all_reduces, mode="reduce-overhead", fullgraph=True)
-    reduce_s = seconds_per_call(all_reduces, args.steps, args.device, 3)
+    reduce_s = seconds_per_call(all_reduces, args.steps, args.device)
     print(f"tensor parallel over {args.shard.world_size}: step {step_s * 1e3:.2f} ms, without all-reduces "
-          f"{local_s * 1e3:.2f} ms, {len(sharded)} all-reduces alone {reduce_s * 1e3:.2f} ms", file=sys.stderr)
+          f"{local_s * 1e3:.2f} ms, {n} all-reduces alone {reduce_s * 1e3:.2f} ms", file=sys.stderr)
     return dict(step_ms=step_s * 1e3, step_without_all_reduces_ms=local_s * 1e3, all_reduces_ms=reduce_s * 1e3,
-                overhead_ms=(step_s - local_s) * 1e3, all_reduces_per_step=len(sharded),
-                all_reduce_bytes=x.numel() * x.element_size())
+                overhead_ms=(step_s - local_s) * 1e3, all_reduces_per_step=n, all_reduce_bytes=x.numel() * x.element_size())
 
 
 def random_weights_markdown(report: dict) -> str:
     v = report["vanilla"]
-    by_timing = ", ".join(f"{k} {ms:.2f} ms" for k, ms in v["step_ms_by_timing"].items())
-    lines = [f"# {report['model']} (random weights{', ' + report['quantize'] if report['quantize'] else ''}), "
-             f"{report['hardware']}", "",
-             f"- date: {report['date']}", f"- command: `{report['command']}`",
-             f"- device {report['device']}, dtype {report['dtype']}, compiled: {report['compiled']}, "
-             f"attention: {report['attention']}, torch {report['torch']}",
-             f"- {report['parameters'] / 1e9:.3f} B parameters; a decode step reads "
-             f"{report['weight_bytes_per_token'] / 1e9:.3f} GB of weights; memory needed ≈ "
-             f"{report['memory_needed_gb']:.1f} GB (peak {report['peak_memory_gb']:.1f} GB)",
-             f"- prompt {report['prompt_length']} tokens; {report['steps']} timed steps / rounds; "
-             f"EAGLE-2/3 top_k {report['tree_top_k']}, depth {report['tree_depth']}, random drafts; "
-             f"whole run {report['seconds']:.0f} s",
+    quantized = f", {report['quantize']}" if report["quantize"] else ""
+    lines = [*header_markdown(report, f"{report['model']} (random weights{quantized})"),
+             f"- {report['parameters'] / 1e9:.3f} B parameters; a step reads {report['weight_bytes_per_token'] / 1e9:.3f} "
+             f"GB of weights; peak memory {report['peak_memory_gb']:.1f} GB; whole run {report['seconds']:.0f} s",
+             f"- prompt {report['prompt_length']} tokens; {report['steps']} timed steps and rounds, {report['timing']}; "
+             f"random heads; EAGLE-2/3 top_k {report['tree_top_k']}, depth {report['tree_depth']}",
              *[f"- {line}" for line in report["quantized"]],
-             "", "## (a) vanilla decode against the copy bandwidth", "",
-             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy | step by timing |",
-             "|---|---|---|---|---|---|",
+             "", "## (a) plain decoding against the copy bandwidth", "",
+             "| tok/s | step (ms) | weights GB/s | copy GB/s (read + write) | fraction of copy |", "|---|---|---|---|---|",
              f"| {v['tokens_per_s']:.1f} | {v['step_ms']:.2f} | {v['gb_s']:.1f} | {report['copy_gb_s']:.1f} | "
-             f"{v['fraction_of_copy']:.0%} ({v['timing']}) | {by_timing} |", "",
-             "## (b) one round against one vanilla step timed the same way", "",
-             "| method | tree tokens | timing | round (ms) | cost in vanilla steps | warm-up incl. compile (s) |",
-             "|---|---|---|---|---|---|",
-             *[f"| {r['method']} | {r['tree_tokens']} | {r['timing']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} | "
-               f"{r['warmup_s']:.1f} |" for r in report["rounds"]]]
+             f"{v['fraction_of_copy']:.0%} |", "",
+             "## (b) one round against one plain step timed the same way", "",
+             "| method | tree tokens | round (ms) | cost in plain steps | warm-up incl. compile (s) |", "|---|---|---|---|---|",
+             *[f"| {r['method']} | {r['tree_tokens']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} | {r['warmup_s']:.1f} |"
+               for r in report["rounds"]]]
     if report["skipped"]:
         lines += ["", "Left out by --time_budget: " + ", ".join(f"{s['method']} {s['tree_tokens']}"
                                                                 for s in report["skipped"])]
@@ -1046,17 +863,16 @@ def main(argv=None):
               f"out {args.out}", file=sys.stderr)
         return None
     try:  # under torchrun: this rank's part of the target, and its device (tp.py)
-        shard, device = tp.start(args.device, args.tp_timeout, vars(args))
+        args.shard, args.device = tp.start(args.device, args.tp_timeout, vars(args))
     except ValueError as e:
         sys.exit(f"error: {e}")
-    args.shard, args.device = shard, device
     torch.manual_seed(args.seed)
     try:
         report = run_random_weights(args, argv) if args.random_weights else run_mt_bench(args, argv)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     tp.finish()
-    if shard is not None and shard.rank > 0:
+    if args.shard is not None and args.shard.rank > 0:
         return report  # rank 0 writes the files
     out = str(args.out)  # not with_suffix: "random-llama-3.1-8b" has a dot of its own
     write_json(Path(out + ".json"), report)

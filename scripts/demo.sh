@@ -1,27 +1,21 @@
 #!/usr/bin/env bash
-# End-to-end demo: set up .venv, fetch + convert SmolLM2-135M-Instruct, then answer one chat
+# End-to-end demo: set up .venv, fetch and convert SmolLM2-135M-Instruct, then answer one chat
 # prompt twice with `generate.py --compare`: plainly, then with EAGLE speculative decoding
 # (streamed), and print both speeds, the speedup, tau (tokens per speculative round; the plain
 # steps that adaptive decoding took where rounds did not pay are counted apart) and whether the
 # two answers are identical.
 #
-# The head: the EAGLE-3 one (checkpoints/NAME/eagle3/), which since 2026-11-25 accepts more of its
-# guesses than the EAGLE-2 one (MT-bench tau 4.09 against 2.98, float32, 60-token trees) and costs
-# less a round (its draft LM head has 8,192 rows, not 49,152; benchmarks/README.md);
-# DEMO_SPECULATE=eagle2 (or eagle) picks the other.
-# The settings are generate.py's defaults on a CPU, what measured fastest on a 2-core CPU
-# (benchmarks/README.md): compiled (frozen weights, Inductor's C++ GEMM templates; compiling takes
-# a minute or two the first time and is cached on disk, so later runs start in seconds),
-# bfloat16 (twice float32's speed; float32 on an AMD Zen 5, where it measured faster), and the
-# compiled CPU tree of this CPU: 12 tokens and 8 prompt-lookup nodes with AMX (Intel Xeon), 4
-# tokens without (e.g. AMD EPYC). Without AMX the
-# target is also batch-invariant by default (--batch_invariant; it costs there <= 10 %), so the two
-# answers are identical in bfloat16 too; with AMX (where it costs 15 %) the speculative answer can
-# differ from the plain one where two tokens nearly tie, which the demo says. Extra arguments go
-# to generate.py and win over these, e.g.
+# The head: the EAGLE-3 one (checkpoints/NAME/eagle3/), which accepts more of its guesses than the
+# EAGLE-2 one and costs less a round (benchmarks/RESULTS.md, "Heads"); DEMO_SPECULATE=eagle2 (or
+# eagle) picks the other. Everything else is generate.py's default for this machine (defaults.py):
+# on a CPU compiled (a minute or two the first time, then loaded from the disk cache) in bfloat16,
+# with the tree of the CPU's row. Where the row puts the target in batch-invariant mode the two
+# answers are identical in bfloat16 too; elsewhere the speculative answer can differ from the plain
+# one where two tokens nearly tie, which the demo says. Extra arguments go to generate.py and win
+# over these, e.g.
 #   bash scripts/demo.sh --prompt "Name three primes." --max_new_tokens 64
 #   bash scripts/demo.sh --dtype float32       # identical answers, token for token
-#   bash scripts/demo.sh --no-compile          # eager: no compile time, half the speed
+#   bash scripts/demo.sh --no-compile          # eager: no compile time, slower decoding
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU path of the project in one command, on a bare GPU machine: its own python3 with torch
-# and triton, nothing installable, no network. Under 10 minutes on one H200 (first run there:
-# benchmarks/README.md, "GPU check").
+# and triton, nothing installable, no network; within TOTAL_S seconds. How to run it on a lent
+# machine and what to read in its results: docs/gpu_check.md.
 #
 #   bash scripts/gpu_check.sh OUT_DIR            the check; everything it writes goes under OUT_DIR
 #   bash scripts/gpu_check.sh --dry_run OUT_DIR  every stage's command only checks its arguments (no GPU)
@@ -13,18 +13,15 @@
 #   1. pytest of every CUDA test: kernels against their references, the compiled round with the
 #      kernel, int8/int4 CUDA paths, greedy equality with vanilla in float32 (eagle, eagle2, eagle3;
 #      SmolLM2 is joined first, so that these run)
-#   2. random weights, llama-2-7b and llama-3.1-8b shapes, bf16: vanilla decode GB/s next to a
-#      device copy, one round / one vanilla step for every method and tree sizes 16..128, all as
-#      CUDA-graph replays of the eager step and rounds (no Inductor: on the H200 a compiled 7B step
-#      and round took more than a minute to compile, and a 59 s budget measured nothing); then int8
-#      and int4 g32 targets (quantized in memory); then a sweep of the kernels' launch constants
-#      (scripts/tune_kernels.py)
+#   2. random weights, llama-2-7b and llama-3.1-8b shapes, bf16: plain decode GB/s next to a
+#      device copy, one round / one plain step for every method and tree sizes 16..128, all as
+#      CUDA-graph replays of the eager step and rounds (no Inductor: compiling a 7B step and round
+#      takes longer than the stage's budget); then int8 and int4 g32 targets (quantized in memory)
 #   3. SmolLM2-135M-Instruct with the shipped heads on an MT-bench subset: bf16 compiled with
-#      --batch_invariant (eagle2, eagle3; invariant_kernels.py, where every answer should equal
+#      --batch_invariant (eagle2, eagle3; kernels/invariant.py, where every answer should equal
 #      vanilla's, and a row of plain decoding without the mode: its cost in the same run), then,
 #      if time is left, float32 eager (every method, T=0: speedup, tau, equality). The compiled run
-#      spends most of its time compiling four graphs (~220 s on an H100), so stage 3 has the
-#      largest budget.
+#      spends most of its time compiling four graphs, so stage 3 has the largest budget.
 # OUT_DIR ends up holding gpu_check.log (what ran, how long, what was skipped), summary.md (every
 # table) and details.tar.gz (each run's log, JSON and Markdown, pytest's XML): three files, as
 # few as a device call returns.
@@ -33,10 +30,10 @@
 # the pure-Python 'gguf' package the conversion needs (the GPU image lacks it) and the MT-bench
 # questions, to $GPU_CHECK_PARTS (default downloads/parts, git-ignored). The check joins and converts them into
 # downloads/SmolLM2-135M-Instruct/ unless $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/
-# already holds a model.pth. Commands: benchmarks/README.md, "GPU check".
+# already holds a model.pth.
 #
 # Settings (environment): PYTHON (python3), STAGE1_S 120, STAGE2_S 90, STAGE3_S 350, TOTAL_S 570,
-# GPU_CHECK_PART_SIZE (25M: the working tree is ~38 MB, and a call carries 64 MiB with it),
+# GPU_CHECK_PART_SIZE (25M: a device call carries 64 MiB, the working tree included),
 # MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD
 # (heads/SmolLM2-135M-Instruct-eagle3: eagle3 runs when it exists).
 set -uo pipefail
@@ -195,8 +192,8 @@ if [ "$DRY" = 0 ]; then
         || die "no CUDA device visible to $PY (for a check without one: --dry_run)"
 fi
 "$PY" -c 'import torch, triton, platform; print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"))' 2>&1 | while read -r line; do log "$line"; done
-# the device's per-block shared-memory limit next to the table the ahead-of-time checks use (scripts/kernel_fit.py)
-[ "$DRY" = 0 ] && "$PY" -c 'import torch, tree_attention as ta; p = torch.cuda.get_device_properties(0); optin = getattr(p, "shared_memory_per_block_optin", None); d = torch.device("cuda", 0); print(f"shared memory per block: {optin} bytes (opt-in); launches choose by {ta.shared_memory_limit(d)}; the table for sm_{p.major}{p.minor}: {ta.SHARED_MEMORY_PER_BLOCK.get((p.major, p.minor))}")' 2>&1 | while read -r line; do log "$line"; done
+# the device's per-block shared-memory limit next to the table of kernels/tree_attention.py
+[ "$DRY" = 0 ] && "$PY" -c 'import torch; from kernels import tree_attention as ta; p = torch.cuda.get_device_properties(0); optin = getattr(p, "shared_memory_per_block_optin", None); d = torch.device("cuda", 0); print(f"shared memory per block: {optin} bytes (opt-in); launches choose by {ta.shared_memory_limit(d)}; the table for sm_{p.major}{p.minor}: {ta.SHARED_MEMORY_PER_BLOCK.get((p.major, p.minor))}")' 2>&1 | while read -r line; do log "$line"; done
 DRYFLAG=()
 [ "$DRY" = 1 ] && DRYFLAG=(--dry_run)
 
@@ -245,19 +242,14 @@ stage2() {  # stage2 NAME SHARE_PERCENT ARGS...
         --tree_sizes 16 32 60 128 --steps 50 --time_budget $(( budget > 40 ? budget - 25 : budget / 2 )) \
         --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
 }
-stage2 random-llama-2-7b-bf16 30 --model_name llama-2-7b
-stage2 random-llama-3.1-8b-bf16 15 --model_name llama-3.1-8b
-stage2 random-llama-2-7b-int8 12 --model_name llama-2-7b --quantize int8
-stage2 random-llama-2-7b-int4-g32 12 --model_name llama-2-7b --quantize int4 --groupsize 32
-# the kernels' launch constants, swept one at a time (batch-invariant mode's whole step, then its
-# linear, first: its GPU cost is issue 22's open figure); and where int4 should hand rows to cuBLAS
-budget=$(min $(( STAGE2_S * 31 / 100 )) $(( STAGE2_END - SECONDS )))
-run tune-kernels "$budget" "$PY" scripts/tune_kernels.py --time_budget $(( budget > 30 ? budget - 15 : budget / 2 )) \
-    --out "$OUT/details/tune-kernels" "${DRYFLAG[@]}"
+stage2 random-llama-2-7b-bf16 35 --model_name llama-2-7b
+stage2 random-llama-3.1-8b-bf16 25 --model_name llama-3.1-8b
+stage2 random-llama-2-7b-int8 20 --model_name llama-2-7b --quantize int8
+stage2 random-llama-2-7b-int4-g32 20 --model_name llama-2-7b --quantize int4 --groupsize 32
 
 # --------------------------------------------------------------------------------------------
-# Stage 3: SmolLM2-135M-Instruct on MT-bench. Float32 eager for equality (every method, T=0),
-# then bf16 compiled in batch-invariant mode (issue 22), then bf16 compiled for speed.
+# Stage 3: SmolLM2-135M-Instruct on MT-bench: bf16 compiled in batch-invariant mode, then float32
+# eager for equality (every method, T=0).
 # --------------------------------------------------------------------------------------------
 log "stage 3: SmolLM2-135M-Instruct on MT-bench (budget $(min "$STAGE3_S" "$(left)") s)"
 [ -n "${PREP_PID:-}" ] && { wait "$PREP_PID" || log "stage 3: preparing SmolLM2 failed: $(tail -n 3 "$OUT/details/prepare-smollm2.log" | tr '\n' ' ')"; }
@@ -289,9 +281,9 @@ else
     }
     FAST=(eagle2)  # the compiled run: each method's round is one more graph to compile
     [ -f "$EAGLE3_HEAD/draft_config.json" ] && FAST+=(eagle3)
-    # bf16 compiled in batch-invariant mode first (issue 22): its answers should all equal vanilla's,
-    # and its row of plain decoding without the mode (compiled as vanilla's is) prices the mode in
-    # the same run. Four graphs to compile: on an H100 that took ~220 s of the 270 s the run took.
+    # bf16 compiled in batch-invariant mode first: its answers should all equal vanilla's, and its
+    # row of plain decoding without the mode (compiled as vanilla's is) prices the mode in the same
+    # run. Most of its time goes to compiling four graphs.
     stage3 mt_bench-smollm2-bf16-invariant 100 --dtype bfloat16 --compile --batch_invariant --temperatures 0 \
         --methods "${FAST[@]}"
     # float32 eager equality, if time is left (stage 1's SmolLM2 tests check it too)

@@ -1,55 +1,31 @@
-"""Train an EAGLE draft head for a target model, offline, on data the target writes itself.
-
-    python scripts/train_eagle.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
-        --preset smollm2-cpu --out_dir heads/SmolLM2-135M-Instruct
+"""Train an EAGLE draft head for a target model, offline, on data the target writes itself
+(docs/training.md: the method, the presets, the commands).
 
     python scripts/train_eagle.py --arch eagle3 --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
-        --preset smollm2-cpu --out_dir heads/SmolLM2-135M-Instruct-eagle3 \
-        --data_dir data/SmolLM2-135M-Instruct --resume --force
-
-    python scripts/train_eagle.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
-        --preset smollm2-cpu --out_dir /tmp/eagle2 --data_dir data/SmolLM2-135M-Instruct --n_shards 180 \
-        --init_from heads/SmolLM2-135M-Instruct --epochs 1
+        --preset smollm2-cpu --out_dir heads/my-eagle3 --data_dir data/SmolLM2-135M-Instruct --n_shards 16
 
 Three stages, each cached and resumed when rerun:
-  1. data       EAGLE-1/2: Magpie prompts (the target, given only its chat template up to an empty
-                user turn, writes user messages), then the target's answers.
-                EAGLE-3: conversations of one or two turns, Magpie prompts seeded with the opening
-                words of a kind of request (writing, roleplay, reasoning, math, coding, extraction,
-                STEM, humanities, everyday questions; some unseeded), a follow-up that asks to
-                rewrite, continue or critique the first answer, answers mostly greedy and a share
-                sampled. Stored as token ids (and which tokens are the assistant's), compressed, in
-                shards under --data_dir: small enough for git, so that a later session, even on a
-                fresh machine, continues from them. No outside or evaluation data is used.
-                An EAGLE-1/2 run given --data_dir trains on those shards too (the EAGLE-3 data).
-  2. features   One teacher-forced forward of the target over each conversation (prefill-shaped, big
-                matmuls) gives what the draft learns from: the final post-norm hidden state
-                (EAGLE-1/2), or the residual streams entering three layers and the target's most
-                probable next tokens (EAGLE-3). Cached under --work_dir (git-ignored), recomputed
-                from the token ids when missing.
-  3. train      EAGLE-1/2 objective: SmoothL1 between the draft's predicted next feature and the
-                true one, plus 0.1 x cross-entropy between the target's next-token distribution and
-                the draft's (both through the frozen LM head); uniform noise on input features.
-                EAGLE-3: soft cross-entropy against the target's distribution over the draft
-                vocabulary at each of --unroll steps of the "training-time test" (the draft fed its
-                own outputs, as inside a tree), weighted 0.8^k; the draft's LM head and final norm
-                start from the target's rows for the draft vocabulary and the target's final norm.
-                AdamW, warm-up and cosine decay, gradient clipping, bf16 autocast.
-                The state (head, optimizer, schedule, random state, position in the epoch) is saved
-                every --save_every steps and after every epoch: --resume continues bit for bit.
-                Validation after every epoch (and every --eval_every steps): soft CE and top-1
-                accuracy per unrolled step (tokens outside the draft vocabulary count as misses),
-                and tau of real greedy tree decoding on held-out prompts. The head is written to
-                --out_dir whenever its validation accuracy (over the unrolled steps, weighted as
-                the loss weights them) beats the best so far and those of the heads it must beat,
-                measured on the same conversations before the first step: the head already in
-                --out_dir (--force) and the head it starts from (--init_from). A run that beats
-                neither leaves --out_dir as it was.
-The head is written with checkpoint.save_draft (bf16): its own weights only, not the target's
-embedding or LM head.
+  1. data       Magpie: the target, given its chat template up to an empty user turn, writes user
+                messages, then answers them. An EAGLE-1/2 head (--arch eagle) without --data_dir:
+                one-turn prompts and answers in its work dir. Otherwise conversation shards of one
+                or two turns under --data_dir: token ids, compressed, small enough for git, so that
+                a later session, even on a fresh machine, continues from them.
+  2. features   One teacher-forced forward of the target over each conversation: the final
+                post-norm hidden state (EAGLE-1/2), or the residual streams entering three layers
+                and the target's most probable next tokens (EAGLE-3). Cached under --cache_dir.
+  3. train      EAGLE-1/2: SmoothL1 on the next feature plus ce_weight x cross-entropy through the
+                frozen LM head, noise on the input features. EAGLE-3: soft cross-entropy over the
+                draft vocabulary at each of --unroll steps of the training-time test (the draft fed
+                its own outputs, as inside a tree), weighted unroll_decay^k; its LM head and final
+                norm start from the target's. AdamW, warm-up and cosine, clipping, bf16 autocast; the
+                state is saved every --save_every steps and --resume continues bit for bit.
+Validation after every epoch (and every --eval_every steps): top-1 accuracy per unrolled step on
+held-out conversations, and tau of real tree decoding on held-out prompts. The head is written to
+--out_dir (checkpoint.save_draft, bf16: its own weights, not the target's embedding or LM head) only
+when its held-out accuracy beats the head already there (--force) and the head it starts from
+(--init_from), all measured on the same conversations.
 
-Preset fields (every one is a flag, e.g. --unroll 3): see the Preset dataclass. --unroll K is the
-training-time-test depth (1 = plain EAGLE-1/2 training; the reference EAGLE-3 uses 7 on GPUs).
+Every Preset field is a flag too (e.g. --unroll 3).
 """
 import argparse
 import copy
@@ -71,9 +47,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from attention import use_attention  # noqa: E402
 from checkpoint import load_draft, load_model, save_draft  # noqa: E402
+from cpu import pack_linears  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids  # noqa: E402
-from model import KVCache, apply_rope, pack_linears  # noqa: E402
+from model import KVCache, apply_rope  # noqa: E402
 from sampling import sample_from  # noqa: E402
 from speculative import Speculator, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -108,30 +86,26 @@ class Preset:
     multi_turn_fraction: float = 0.4  # conversations with a follow-up turn
     keep_top: int = 64           # the target's most probable next tokens kept per position
     draft_vocab_size: int = 8192  # the draft's reduced vocabulary: the most frequent answer tokens
-    head_lr_scale: float = 1.0   # learning rate of the warm-started LM head and final norm, relative to lr
     tau_depth: int = 6           # tree depth of the tau measured at validation
     tau_max_tokens: int = 96     # tokens decoded per tau prompt
 
 
 PRESETS = {
     "eagle": {
-        # SmolLM2-135M on a 2-core CPU (bf16 matmuls). The shipped EAGLE-2 head: prompts ~0.5 h, answers of
-        # the first 32 of 47 batches (--max_answer_batches 32, 1.15M tokens) 47 min, 6 epochs 64 min.
-        "smollm2-cpu": Preset(),
-        # A GPU: more data and epochs; the 135M target trains in minutes, a 7B one in hours.
+        "smollm2-cpu": Preset(),  # SmolLM2-135M on a CPU
+        # a GPU: more data and epochs
         "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
                       lr=3e-4, warmup_steps=500, unroll=3),
-        # Seconds, for tests.
-        "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
+        "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,  # for tests
                        batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
     },
     "eagle3": {
-        # SmolLM2-135M on a 2-core CPU, over several sessions: the data shards are kept in git
-        # (data/SmolLM2-135M-Instruct/), training resumes from its saved state.
-        "smollm2-cpu": Preset(prompt_max_tokens=128, answer_max_tokens=256, sampled_fraction=0.15, val_fraction=0.03, epochs=4,
-                              unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
+        # SmolLM2-135M on a CPU, over several sessions: the shards are kept in git (data/), the
+        # training state resumes
+        "smollm2-cpu": Preset(prompt_max_tokens=128, answer_max_tokens=256, sampled_fraction=0.15, val_fraction=0.03,
+                              epochs=4, unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
                               eval_every=250, tau_max_tokens=128),
-        # A GPU: the reference's recipe scaled to what the data stage can write in a few hours.
+        # a GPU: the reference's recipe, scaled to the data a GPU writes in a few hours
         "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
                       lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8, sampled_fraction=0.15,
                       val_fraction=0.02),
@@ -150,7 +124,7 @@ PRESETS = {
 def sample_rows(logits, temperature, top_k):
     """Next token of each row of logits [B, V]; temperature [B] (0: greedy) or one float. Only the
     rows that sample pay for it, and with top_k among their top_k logits only: a softmax and a
-    cumulative sum over the whole vocabulary for 128 rows cost a good part of a decode step."""
+    cumulative sum over the whole vocabulary for a large batch cost a good part of a decode step."""
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(logits.size(0))
     tokens = logits.argmax(-1)
     hot = (temperature > 0).nonzero().flatten()
@@ -176,12 +150,9 @@ def keep_cache_rows(model, rows: torch.Tensor):
 @torch.no_grad()
 def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids, chunk=16):
     """prompts: lists of ids; temperature: one float or one per row (0: greedy). Returns per row
-    the prompt + answer ids, cut after the first stop token.
-
-    Nothing is recorded while decoding (features come from one teacher-forced pass afterwards:
-    target_features). Prompts are prefilled chunk positions at a time (so that [rows, chunk,
-    vocab] logits stay small), attention reads only the live slots (kv_len), and every 8 steps
-    rows that have stopped leave the batch once they are a quarter of it."""
+    the prompt + answer ids, cut after the first stop token. Prompts are prefilled chunk positions
+    at a time (the [rows, chunk, vocab] logits stay small), attention reads only the live slots
+    (kv_len), and every 8 steps rows that have stopped leave the batch once they are a quarter of it."""
     device = model.norm.weight.device
     B, lengths = len(prompts), torch.tensor([len(p) for p in prompts], device=device)
     temps = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(B).clone()
@@ -237,16 +208,9 @@ def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
     is causal."""
     device = model.norm.weight.device
     out = [None] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    groups, current = [], []
-    for i in order:
-        if current and len(seqs[i]) * (len(current) + 1) > max_tokens:
-            groups.append(current)
-            current = []
-        current.append(i)
-    groups += [current] if current else []
+    groups = make_batches_by_length([len(s) for s in seqs], max_tokens, False, None)
     output = model.output
-    if not keep_top:  # no logits needed: the LM head is a fifth of the forward's time on a CPU
+    if not keep_top:  # no logits needed: skip the LM head, a large part of the forward
         model.output = torch.nn.Identity()
     try:
         for group in groups:
@@ -258,8 +222,8 @@ def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
             logits, final, layer_inputs = model(ids, torch.arange(n, device=device), return_features=True,
                                                 layer_ids=layer_ids or (), kv_len=n)
             feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
-            # float16 halves the cache; the rare residual-stream value beyond its range (SmolLM2 reaches
-            # 25k at layer 27) is clamped rather than turned into inf
+            # float16 halves the cache; the rare residual-stream value beyond its range is clamped
+            # rather than turned into inf
             feats = feats.float().clamp(-65504, 65504)
             for b, i in enumerate(group):
                 m = len(seqs[i])
@@ -278,10 +242,7 @@ def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
 # ---------------------------------------------------------------------------------------------
 def user_turn_prefix(tokenizer):
     """The token ids of the chat template up to where a user's first message begins."""
-    a = tokenizer.apply_chat_template([{"role": "user", "content": "A"}], add_generation_prompt=False)
-    b = tokenizer.apply_chat_template([{"role": "user", "content": "B"}], add_generation_prompt=False)
-    n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    return a[:n]
+    return next_user_prefix(tokenizer, [])
 
 
 def keep_prompt(text: str, seen: set) -> bool:
@@ -344,8 +305,7 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
 # ---------------------------------------------------------------------------------------------
 # Stage 2: answers and features
 # ---------------------------------------------------------------------------------------------
-def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path, seed: int,
-                max_batches: int | None = None):
+def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path, seed: int):
     """Shards of {"ids", "features", "prompt_len", "split"}; one shard per generation batch, so an
     interrupted run resumes where it stopped."""
     jobs = [(split, text) for split in ("train", "val") for text in prompts[split]]
@@ -355,7 +315,6 @@ def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path,
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for _, text in jobs]
     order = sorted(range(len(jobs)), key=lambda i: (i in sampled, len(chats[i])))
     batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)]
-    batches = batches[:max_batches]
     for n, batch in enumerate(tqdm(batches, desc="answers", unit="batch")):
         shard = data_dir / f"shard_{n:05d}.pt"
         if shard.is_file():
@@ -605,24 +564,20 @@ def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: i
             "dtype": str(model.tok_embeddings.weight.dtype).replace("torch.", "")}  # the target's, as it generated
     todo = [n for n in range(n_shards) if not (data_dir / shard_name(n)).is_file()]
     for n in tqdm(todo, desc="conversation shards", unit="shard"):
-        t0, cpu0 = time.time(), time.process_time()
+        t0 = time.time()
         convs = make_conversation_shard(model, tokenizer, preset, n, seed)
-        minutes, cpu_minutes = (time.time() - t0) / 60, (time.process_time() - cpu0) / 60
-        save_conversations(data_dir / shard_name(n), convs, {**meta, "shard": n, "minutes": minutes,
-                                                               "cpu_minutes": cpu_minutes})
-        tokens = sum(len(c["ids"]) for c in convs)
-        # CPU minutes too: the wall clock also counts the time the job was paused (kill -STOP)
+        minutes = (time.time() - t0) / 60
+        save_conversations(data_dir / shard_name(n), convs, {**meta, "shard": n, "minutes": minutes})
         print(f"shard {n}: {len(convs)} conversations ({sum(c['turns'] == 2 for c in convs)} two-turn), "
-              f"{tokens} tokens in {minutes:.1f} min ({cpu_minutes:.1f} CPU min)", file=sys.stderr, flush=True)
+              f"{sum(len(c['ids']) for c in convs)} tokens in {minutes:.1f} min", file=sys.stderr, flush=True)
 
 
 def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_top: int, max_tokens=8192):
-    """The teacher-forced features and top tokens of a shard's conversations, cached as .npy files
-    under cache_dir (memory-mapped when read: the page cache holds them, not the process) and
-    recomputed when missing or made from other ids. layer_ids: the EAGLE-3 layers whose inputs are
-    fused, or None for the final post-norm hidden state (EAGLE-1/2; its files are named apart, so
-    that both kinds of head may share a cache_dir). Returns (features [T, F] float16, top_ids
-    [T, K] uint16, top_probs [T, K] float16), rows in the shard's token order."""
+    """The teacher-forced features and top tokens of a shard's conversations: (features [T, F]
+    float16, top_ids [T, K] uint16, top_probs [T, K] float16) in the shard's token order, cached
+    as .npy files under cache_dir (memory-mapped when read) and recomputed when missing or made
+    from other ids. layer_ids: EAGLE-3's fused layers, or None for the final hidden state
+    (EAGLE-1/2, files named apart: both kinds of head may share a cache_dir)."""
     s = load_conversation_arrays(shard)
     stamp = {"tokens": int(len(s["ids"])), "crc32": zlib.crc32(s["ids"].tobytes()),
              "layer_ids": None if layer_ids is None else list(layer_ids), "keep_top": keep_top}
@@ -707,8 +662,7 @@ def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
 def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch.Tensor):
     """The draft's LM head starts as the target's output rows (head_weight [vocab, dim]) for the
     draft vocabulary, its final norm as the target's: from the first step its logits are the
-    target's own head read off the draft's output, instead of random (as vLLM's speculators
-    initialise EAGLE-3 drafts)."""
+    target's own head read off the draft's output, instead of random."""
     with torch.no_grad():
         draft.lm_head.weight.copy_(head_weight[draft.vocab.to(head_weight.device)])
         draft.norm.weight.copy_(norm_weight)
@@ -716,9 +670,8 @@ def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch
 
 def widen_vocab(draft: Eagle3Draft, vocab: torch.Tensor, head_weight: torch.Tensor) -> Eagle3Draft:
     """A copy of a trained EAGLE-3 draft over `vocab` (ascending target ids holding the draft's
-    own, e.g. choose_vocab(counts, size, keep=draft.vocab)). Its trained LM-head rows are kept; a
-    new token's row starts as the target's output row (head_weight [vocab, dim]), warm_start's
-    rule, so a wider head starts from what the narrow one learned instead of from scratch."""
+    own: choose_vocab(counts, size, keep=draft.vocab)): its trained LM-head rows kept, a new
+    token's row the target's output row (head_weight [vocab, dim]), as warm_start does."""
     old = draft.vocab.cpu()
     vocab = vocab.cpu()
     at = torch.searchsorted(vocab, old)
@@ -817,13 +770,13 @@ def draft_losses(draft, embed, head, ids, feats, learn, preset: Preset, noise: b
     The CE target is the target's next-token distribution restricted to its ce_topk most probable
     tokens (renormalised; they hold nearly all of its mass). With z the draft's logits,
     CE = logsumexp(z) - sum_i p_i z_i needs z in full only for the logsumexp: no [tokens, vocab]
-    products or copies, which dominated a training step with a 49k vocabulary on a CPU."""
+    products or copies, which would dominate a training step with a large vocabulary."""
     B, n = ids.shape
     m = n - 1  # draft positions t = 0 .. n-2: input (f_t, x_{t+1}), target f_{t+1}
     x_next = embed(ids[:, 1:])
     target = feats[:, 1:]
     learn = learn[:, :m]
-    # The CE runs on a random share of the learned positions: through a 49k-vocabulary head it
+    # The CE runs on a random share of the learned positions: through a large vocabulary's head it
     # costs far more than everything else, and the SmoothL1 term, on every position, carries most
     # of the signal.
     ce_rows = torch.rand(int(learn.sum()), device=ids.device) < (preset.ce_fraction if noise else 1.0)
@@ -986,23 +939,18 @@ def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return index
 
 
-def validate_head(head, target, val, preset: Preset, dtype: str):
-    """The top-1 accuracy per unrolled step of a finished head on the validation conversations, as
-    training's validation computes it: validate3 (over an EAGLE-3 head's own vocabulary) or
-    validate (an EAGLE-1/2 head)."""
+def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
+    """A trained head (either architecture) on this run's held-out conversations, as a validation
+    record has it: top-1 accuracy per unrolled step ("val_acc", over an EAGLE-3 head's own
+    vocabulary) and tau on tau_prompts ("val_tau", None without prompts). What a new head must beat
+    to be written out."""
     setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
     device = target.norm.weight.device
     if isinstance(head, Eagle3Draft):
         index = index_of_vocab(head.vocab, target.config.vocab_size)
-        return validate3(head, target, val, preset, device, dtype, index)[:, 1].tolist()
-    return validate(head, target, val, preset, device, dtype)[:, 2].tolist()
-
-
-def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
-    """A trained head (either architecture) on this run's held-out conversations, as a validation
-    record has it: top-1 accuracy per unrolled step ("val_acc") and tau on tau_prompts ("val_tau",
-    None without prompts). What a new head must beat to be written out."""
-    acc = validate_head(head, target, val, preset, dtype)
+        acc = validate3(head, target, val, preset, device, dtype, index)[:, 1].tolist()
+    else:
+        acc = validate(head, target, val, preset, device, dtype)[:, 2].tolist()
     tau = measure_tau(target, head, stop_ids, tau_prompts, preset.tau_max_tokens, tree_depth=preset.tau_depth)
     return {"val_tau": tau, "val_acc": acc}
 
@@ -1010,8 +958,7 @@ def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype:
 def val_score(val_acc, decay: float) -> float:
     """What decides which head is shipped: the top-1 accuracy of each unrolled step on every held-out
     answer token, weighted as the loss weights the steps (decay ** k). Not validation tau: tau on a
-    dozen prompts (a few hundred rounds) wanders by ~0.06 between heads of equal skill, and it
-    once kept a head that 129 held-out conversations, 36 prompts and MT-bench all found worse."""
+    dozen prompts (a few hundred rounds) is too noisy to rank heads of near-equal skill."""
     weights = [decay ** k for k in range(len(val_acc))]
     return sum(w * a for w, a in zip(weights, val_acc)) / sum(weights)
 
@@ -1040,8 +987,8 @@ def setup_for_training(draft, max_len: int):
 
 def make_draft(target, args, vocab=None, head_weight=None, init=None):
     """The head training starts from: a copy of `init` (a trained head, --init_from), or a fresh
-    one: EAGLE-3 with the draft vocabulary `vocab` (warm-started from the target's LM head weight
-    unless --no-warm_start), or EAGLE-1/2."""
+    one: EAGLE-3 with the draft vocabulary `vocab`, warm-started from the target's LM head weight,
+    or EAGLE-1/2."""
     if init is not None:
         draft = copy.deepcopy(init)
         for p in draft.parameters():
@@ -1050,10 +997,9 @@ def make_draft(target, args, vocab=None, head_weight=None, init=None):
     if args.arch == "eagle3":
         draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
         draft.vocab.copy_(vocab)
-        if args.warm_start:
-            warm_start(draft, target.output.weight if head_weight is None else head_weight, target.norm.weight)
+        warm_start(draft, target.output.weight if head_weight is None else head_weight, target.norm.weight)
         return draft
-    return EagleDraft(draft_config_for(target.config), fc_bias=args.fc_bias)
+    return EagleDraft(draft_config_for(target.config))
 
 
 def save_state(path: Path, state: dict):
@@ -1065,20 +1011,18 @@ def save_state(path: Path, state: dict):
 
 def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None, on_eval=None, baseline=None,
           head_weight=None, init=None):
-    """The training loop of both architectures: AdamW, warm-up then cosine, clipping by value,
-    bf16 autocast. Validation (and tau on tau_prompts) after every epoch and every eval_every
-    steps; the state is saved every save_every steps, at every validation and when max_steps is
-    reached, and --resume continues from it bit for bit (the epoch's batch order is rebuilt from
-    the random state saved at the epoch's start). on_eval(draft, state, ship): called after every
-    validation; ship is True when the head should be written out: its val_score beats the best so
-    far and baseline's (the record of the head already shipped: {"val_acc", "val_tau"}), or it is
-    the first validation and there is no baseline. head_weight: the target's LM head weight, when
-    target.output is packed. init: the trained head to start from (--init_from; a fresh optimizer
-    and schedule). Returns (draft, history, state)."""
+    """The training loop of both architectures. Validation (and tau on tau_prompts) after every
+    epoch and every eval_every steps; the state is saved every save_every steps, at every
+    validation and at max_steps, and --resume continues from it bit for bit (an epoch's batch
+    order is rebuilt from the random state saved at its start). on_eval(draft, state, ship) after
+    every validation: ship when the head's val_score beats the best so far and baseline's (the
+    scores of the heads it must beat). head_weight: the target's LM head weight (target.output may
+    be packed). init: the trained head to start from (--init_from). Returns (draft, state)."""
     device = target.norm.weight.device
     torch.manual_seed(args.seed)
     eagle3 = args.arch == "eagle3"
     draft = make_draft(target, args, vocab, head_weight, init).to(device).train()
+    use_attention(draft)  # the attention kernels of the device it trains on
     if eagle3:
         draft_index = index_of_vocab(vocab, target.config.vocab_size)
     lengths = [len(r["ids"]) for r in data["train"]]
@@ -1086,12 +1030,7 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
     max_len = max(lengths + [len(r["ids"]) for r in data["val"]])
     setup_for_training(draft, max_len + preset.unroll + 1)
     params = [p for p in draft.parameters() if p.requires_grad]
-    # The warm-started LM head and final norm may learn at their own rate (head_lr_scale).
-    slow = [draft.lm_head.weight, draft.norm.weight] if eagle3 and preset.head_lr_scale != 1.0 else []
-    param_groups = [{"params": [p for p in params if all(p is not s for s in slow)]}]
-    if slow:
-        param_groups.append({"params": slow, "lr": preset.lr * preset.head_lr_scale})
-    opt = torch.optim.AdamW(param_groups, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
+    opt = torch.optim.AdamW(params, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
     rng = random.Random(args.seed)
     steps_per_epoch = len(make_batches_by_length(lengths, preset.batch_tokens, False, rng, groups))
     total = preset.epochs * steps_per_epoch
@@ -1113,11 +1052,13 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
         opt.load_state_dict(saved.pop("opt"))
         sched.load_state_dict(saved.pop("sched"))
         torch.set_rng_state(saved.pop("torch_rng"))
-        changed = {k: (v, getattr(preset, k)) for k, v in saved.pop("preset", {}).items() if getattr(preset, k) != v}
+        changed = {k: (v, getattr(preset, k, None)) for k, v in saved.pop("preset", {}).items()
+                   if getattr(preset, k, None) != v}
         if changed:
             print(f"resuming with changed settings (saved, now): {changed}", file=sys.stderr)
         st.update(saved)
         print(f"resuming at epoch {st['epoch']}, batch {st['batch']}, step {st['step']}", file=sys.stderr)
+
     def save():
         save_state(state_file, {**st, "draft": draft.state_dict(), "opt": opt.state_dict(),
                                 "sched": sched.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -1187,14 +1128,14 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
             if evaluating or st["step"] % preset.save_every == 0 or st["step"] == args.max_steps:
                 save()
             if st["step"] == args.max_steps:
-                return draft.eval(), st["history"], st
+                return draft.eval(), st
         st["epoch"], st["batch"], st["epoch_rng"] = st["epoch"] + 1, 0, rng.getstate()
         evaluate(True)
         save_draft(draft, args.work_dir / f"epoch_{st['epoch']:02d}", dtype=torch.bfloat16)
         save()
         if st["step"] == args.max_steps:
             break
-    return draft.eval(), st["history"], st
+    return draft.eval(), st
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1202,50 +1143,30 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
     p.add_argument("--arch", choices=sorted(PRESETS), default="eagle",
-                   help="eagle: an EAGLE-1/2 head (the target's features and LM head); eagle3: an EAGLE-3 head "
-                        "(three fused layers, a reduced vocabulary, training-time test)")
+                   help="eagle: an EAGLE-1/2 head; eagle3: an EAGLE-3 head (three fused layers, its own vocabulary)")
     p.add_argument("--preset", choices=sorted(PRESETS["eagle"]), default="smollm2-cpu")
     p.add_argument("--out_dir", type=Path, required=True, help="where the trained head is written")
     p.add_argument("--work_dir", type=Path, default=None,
-                   help="resumable state, cached features, per-epoch checkpoints (default: OUT_DIR.work)")
+                   help="resumable state, cached features, per-epoch heads (default: OUT_DIR.work)")
     p.add_argument("--data_dir", type=Path, default=None,
-                   help="the conversation shards, token ids, kept (eagle3 default: WORK_DIR/conversations; "
-                        "data/<model> in the repository for a head that others continue). eagle: train on these "
-                        "shards instead of writing one-turn Magpie answers")
+                   help="the conversation shards (default: WORK_DIR/conversations); eagle: train on them instead "
+                        "of one-turn answers")
     p.add_argument("--cache_dir", type=Path, default=None,
-                   help="the teacher-forced features of the shards (default: WORK_DIR/features); runs on the same "
-                        "shards and target may share it, EAGLE-1/2 and EAGLE-3 heads alike")
+                   help="the shards' teacher-forced features (default: WORK_DIR/features), shared by runs on them")
     p.add_argument("--resume", action="store_true",
-                   help="continue the training state saved in WORK_DIR (bit for bit, over the shards it started "
-                        "on); without a saved state, start")
-    p.add_argument("--max_steps", type=int, default=None,
-                   help="stop after this many optimizer steps in all (the state is saved: --resume continues)")
-    p.add_argument("--first_shard", type=int, default=0,
-                   help="shards: train on FIRST_SHARD .. n_shards-1 only (with --init_from: a short "
-                        "continuation on the newest shards, with some older ones as replay, when a whole "
-                        "epoch does not fit the time)")
-    p.add_argument("--data_only", action="store_true",
-                   help="write the data (the conversation shards with --arch eagle3 or --data_dir), then stop")
+                   help="continue the training state in WORK_DIR, bit for bit, over the shards it started on")
+    p.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps in all")
+    p.add_argument("--first_shard", type=int, default=0, help="train on shards FIRST_SHARD .. n_shards-1 only")
+    p.add_argument("--data_only", action="store_true", help="write the conversation shards, then stop")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="target for data generation, and training autocast")
-    p.add_argument("--fc_bias", action=argparse.BooleanOptionalAction, default=True,
-                   help="a bias on fc (EAGLE's LLaMA-2/Vicuna heads have one, LLaMA-3 heads not)")
-    p.add_argument("--warm_start", action=argparse.BooleanOptionalAction, default=True,
-                   help="eagle3: start the draft's LM head and final norm from the target's")
+                   help="the target's, for data and features, and training's autocast")
     p.add_argument("--init_from", type=Path, default=None,
-                   help="start from this trained head (a folder with draft.safetensors, e.g. OUT_DIR itself) "
-                        "instead of a fresh one, with a fresh optimizer and schedule: how a head goes on "
-                        "learning from more data. eagle3: its draft vocabulary is kept, or widened to a larger "
-                        "--draft_vocab_size (new rows from the target's LM head)")
-    p.add_argument("--tau_prompts", type=int, default=6, help="validation prompts decoded for tau at each validation")
+                   help="start from this trained head (fresh optimizer and schedule); eagle3: its vocabulary is "
+                        "kept, or widened to a larger --draft_vocab_size")
+    p.add_argument("--tau_prompts", type=int, default=6, help="held-out prompts decoded for tau at each validation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab_report", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
-                   help="eagle3: draft vocabulary sizes whose coverage of held-out answers is reported")
-    p.add_argument("--max_answer_batches", type=int, default=None,
-                   help="eagle: answer only the first N generation batches; trains on less data when time is short")
-    p.add_argument("--force", action="store_true", help="replace an existing head in OUT_DIR (eagle3: only by a "
-                                                        "better one, by validation tau)")
+    p.add_argument("--force", action="store_true", help="replace the head in OUT_DIR (only by a better one)")
     for name, field in Preset.__dataclass_fields__.items():  # every preset value can be overridden
         p.add_argument(f"--{name}", type=type(field.default), default=None, help="a Preset value (see the dataclass)")
     args = p.parse_args(argv)
@@ -1326,7 +1247,8 @@ def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
     data, info = conversation_data(target, tokenizer, preset, args, layer_ids, preset.keep_top)
     V = target.config.vocab_size
     counts = token_counts(data["train"], V)
-    sizes = sorted(s for s in set(args.vocab_report) | {preset.draft_vocab_size} if s <= V)
+    size = min(preset.draft_vocab_size, V)  # what a vocabulary of this size, a half and a quarter of it hold
+    sizes = [max(1, size // 4), max(1, size // 2), size]
     coverage = {str(s): vocab_coverage(data["val"], choose_vocab(counts, s), V) for s in sizes}
     print("draft vocabulary coverage of held-out target argmax tokens: "
           + ", ".join(f"{k}: {v:.2%}" for k, v in coverage.items()), file=sys.stderr)
@@ -1394,7 +1316,7 @@ def main(argv=None):
         prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
         data_dir = args.work_dir / "data"
         data_dir.mkdir(parents=True, exist_ok=True)
-        make_shards(target, tokenizer, preset, prompts, data_dir, args.seed, args.max_answer_batches)
+        make_shards(target, tokenizer, preset, prompts, data_dir, args.seed)
         if args.data_only:
             return
         data, vocab = load_shards(data_dir), None
@@ -1435,8 +1357,7 @@ def main(argv=None):
     def record(st):
         curve = [sum(st["losses"][i:i + 25]) / len(st["losses"][i:i + 25]) for i in range(0, len(st["losses"]), 25)]
         return {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
-                "warm_start": args.warm_start if eagle3 and init is None else None, "init_from": init_record,
-                "target": str(args.checkpoint_path),
+                "init_from": init_record, "target": str(args.checkpoint_path),
                 "device": args.device, "dtype": args.dtype, "hardware": platform.processor() or platform.machine(),
                 "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "data": info_data,
                 "steps": st["step"], "shipped_step": st["shipped_step"], "baseline": st["baseline"],
@@ -1452,7 +1373,7 @@ def main(argv=None):
             print(f"step {st['step']}: wrote {args.out_dir} (validation score {last['val_score']:.4f}, "
                   f"tau {last.get('val_tau')})", file=sys.stderr, flush=True)
 
-    draft, history, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
+    _, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
                                baseline, head_weight, init)
     (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
     if st["shipped_step"] is not None:

@@ -29,13 +29,41 @@ import torch  # noqa: E402
 # Without a GPU, the Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when
 # @triton.jit decorates a function, its own triton.language helpers (tl.zeros, ...) included, that
 # is at `import triton`: so it is set here, before any test module imports triton. Set later, after
-# something imported triton (scripts/kernel_fit.py, imported by tests/test_kernel_fit.py when that
-# file runs first), the interpreted kernels fail ("Cannot call @triton.jit'd outside of the scope
-# of a kernel"). Triton reads it again at each launch, so it stays set for the session.
+# something imported triton, the interpreted kernels fail ("Cannot call @triton.jit'd outside of the
+# scope of a kernel"). Triton reads it again at each launch, so it stays set for the session.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "scripts"))  # after the root: a script never shadows a module
+
+from attention import use_attention  # noqa: E402
+from model import transformer_configs  # noqa: E402
+
+# Tiny configs for tests: every feature switched on somewhere, sizes that run in milliseconds on a CPU.
+TINY_CONFIGS = {
+    "tiny-llama": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                       vocab_size=512),
+    "tiny-llama-3.1": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                           vocab_size=512, rope_base=500000.0,
+                           rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                             original_max_position_embeddings=64)),
+    "tiny-qwen2": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                       vocab_size=512, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6),
+    "tiny-mixtral": dict(block_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                         vocab_size=512, rope_base=1000000.0, num_experts=4, num_activated_experts=2),
+}
+transformer_configs.update(TINY_CONFIGS)
+
+
+def tiny_config_file(name: str, folder: Path) -> Path:
+    """A tiny config as a model_config.json, for a subprocess that cannot see TINY_CONFIGS
+    (scripts/benchmark.py --random_weights --model_name FILE)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({"model": TINY_CONFIGS[name]}))
+    return path
 
 # A few paragraphs to train the tiny tokenizers on: ordinary prose, digits, code, some unicode.
 CORPUS = [
@@ -225,8 +253,8 @@ def cpu_compile_without_autotuning(request, monkeypatch):
     unless marked `autotune`: timing C++ GEMM candidates for every GEMM shape of a tiny model costs
     ~100 s a test and proves nothing that the marked tests on the real model do not."""
     if "autotune" not in request.keywords:
-        import speculative
-        monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "max_autotune": False})
+        import compiling
+        monkeypatch.setattr(compiling, "CPU_INDUCTOR", {**compiling.CPU_INDUCTOR, "max_autotune": False})
 
 
 @pytest.fixture(autouse=True)
@@ -284,6 +312,7 @@ def tiny_target(name: str = "tiny-llama", seed: int = 0, **overrides):
     for layer in model.layers:
         if layer.attention.wqkv.bias is not None:
             torch.nn.init.normal_(layer.attention.wqkv.bias, std=0.5)
+    use_attention(model)
     return model
 
 
@@ -339,6 +368,7 @@ def random_draft(target, seed: int = 1, fc_bias: bool = True, std: float = None)
             for name, p in draft.named_parameters():
                 if not name.endswith("norm.weight"):
                     p.normal_(0.0, std)
+    use_attention(draft)
     return draft
 
 
@@ -379,6 +409,7 @@ def random_eagle3_draft(target, draft_vocab_size: int = None, seed: int = 1, std
             if not name.endswith("norm.weight"):
                 p.normal_(0.0, std)
         draft.vocab.copy_(torch.randperm(V)[:n].sort().values)
+    use_attention(draft)
     return draft
 
 
@@ -404,6 +435,7 @@ def eagle3_pair(seed: int = 0, vocab_size: int = 512, sharpness: float = 3.0, mi
     n_missing = max(1, round(missing * vocab_size))  # at least one, whatever the seed
     vocab = torch.randperm(vocab_size, generator=g)[n_missing:].sort().values
     draft = Eagle3Draft(draft_config_for(c, n_local_heads=c.n_head), len(vocab), eagle3_layer_ids(1)).eval()
+    use_attention(draft)
     eye = torch.eye(c.dim)
     with torch.no_grad():
         target.tok_embeddings.weight.copy_(e)

@@ -1,7 +1,8 @@
 """scripts/benchmark.py end to end on a tiny checkpoint (MT-bench mode, with and without the
-transformers peers, and random-weights mode), and generate.py's --tree_tokens auto: the pure decision rule on made-up cost curves, the
-measurement it reads, and the fallback to vanilla decoding."""
+transformers peers, and random-weights mode), and --tree auto (autoshape.py): the pure decision
+rule on made-up cost curves, the measurement it reads, and generate.py's fallback to plain decoding."""
 import argparse
+import copy
 import importlib.util
 import json
 import sys
@@ -9,10 +10,12 @@ import sys
 import pytest
 import torch
 
+import autoshape
+import compiling
 import generate as gen
-import speculative
 from checkpoint import save_draft
-from conftest import ROOT, mirrored_pair, torchrun
+from conftest import ROOT, mirrored_pair, tiny_config_file, torchrun
+from speculative import Speculator, accept
 
 spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts/benchmark.py")
 bench = importlib.util.module_from_spec(spec)
@@ -30,8 +33,8 @@ def test_eager_float32_baseline_row(tiny_checkpoint, tmp_path):
     rows = {r["method"]: r for r in report["records"] if r["category"] == "overall"}
     assert set(rows) == {"vanilla", bench.EAGER_FLOAT32} and rows[bench.EAGER_FLOAT32]["equal_to_vanilla"] == 1.0
     assert "float32" in report["methods"][bench.EAGER_FLOAT32]
-    step = report["decode_step"]  # the plain step's bandwidth against the machine's, in the same run
-    assert step["step_ms"] > 0 and step["read_gb_s"] > 0 and step["fraction_of_read"] == step["gb_s"] / step["read_gb_s"]
+    step = report["decode_step"]  # the plain step's bandwidth against a copy's, in the same run
+    assert step["step_ms"] > 0 and step["copy_gb_s"] > 0 and step["fraction_of_copy"] == step["gb_s"] / step["copy_gb_s"]
 
 
 @pytest.mark.all_threads
@@ -50,19 +53,17 @@ def test_batch_invariant_run_is_equal_and_times_the_plain_decoding_it_replaces(t
     assert "batch-invariant target" in (tmp_path / "b.md").read_text()
 
 
-def test_the_mode_is_priced_against_plain_decoding_compiled_as_vanilla_is(monkeypatch):
-    """--batch_invariant --compile: the row without the mode compiles its step with the options
-    compile_decoding gives vanilla's (CUDA graphs on CUDA). On an H100 it once compiled without
-    them and ran 6.7 ms a step against vanilla's 1.1, pricing the mode at a 2.7x gain."""
+def test_plain_rows_compile_their_step_as_vanilla_is(monkeypatch):
+    """--batch_invariant --compile: the row without the mode is priced against a step compiled with
+    vanilla's options (CUDA graphs on CUDA), both through plain_decoders; a step compiled without
+    them would run several times slower and overstate the mode's gain."""
     target, _ = mirrored_pair()
-    monkeypatch.setattr(bench, "load_model", lambda *a: target)
     seen = []
-    monkeypatch.setattr(gen, "compile_function", lambda fn, device, modules, **kw: seen.append((device, kw)) or fn)
-    monkeypatch.setattr(gen, "decode_one_token", gen.decode_one_token)  # compile_decoding rebinds it
-    gen.compile_decoding("cuda", False, target)
-    args = argparse.Namespace(checkpoint_path=None, device="cuda", dtype="bfloat16", shard=False, compile=True,
-                              temperatures=[0.0])
-    bench.not_invariant(args, (), 32)
+    monkeypatch.setattr(compiling, "compile_function", lambda fn, device, modules, **kw: seen.append((device, kw)) or fn)
+    args = argparse.Namespace(device="cuda", compile_prefill=False, temperatures=[0.0])
+    for name in ("vanilla", bench.NOT_INVARIANT):
+        decoders, step = bench.plain_decoders(args, target, (), name, compiled=True)
+        assert set(decoders) == {(name, 0.0)} and step is gen.decode_one_token  # compile_function stubbed
     assert len(seen) == 2 and seen[0] == seen[1] and seen[1][1]["options"]["triton.cudagraphs"]
 
 
@@ -120,11 +121,11 @@ def test_mt_bench_tree_tokens_auto(tiny_checkpoint, tmp_path, monkeypatch):
     decoding where they are not (costs made up; the measurement itself is tested above)."""
     checkpoint, questions = tiny_checkpoint
     monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "cache"))
-    cheap = speculative.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS},
-                                   grow={k: (0.05, 0.05) for k in speculative.AUTO_TOP_K}, other=0.1)
-    costs = {0.0: cheap, 1.0: cheap._replace(verify={T: 8.0 for T in speculative.AUTO_TOKENS})}
-    monkeypatch.setattr(speculative, "measure_shapes", lambda *a, temperature, **k: (
-        costs[temperature], {k: chain_probes(k, 8, accepted_len=5) for k in speculative.AUTO_TOP_K}))
+    cheap = autoshape.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in autoshape.AUTO_TOKENS},
+                                 grow={k: (0.05, 0.05) for k in autoshape.AUTO_TOP_K}, other=0.1)
+    costs = {0.0: cheap, 1.0: cheap._replace(verify={T: 8.0 for T in autoshape.AUTO_TOKENS})}
+    monkeypatch.setattr(autoshape, "measure_shapes", lambda *a, temperature, **k: (
+        costs[temperature], {k: chain_probes(k, 8, accepted_len=5) for k in autoshape.AUTO_TOP_K}))
     report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--num_questions", "1",
                          "--max_new_tokens", "12", "--device", "cpu", "--methods", "eagle2", "--tree_tokens", "auto",
                          "--no_plot", "--out", str(tmp_path / "auto")])
@@ -148,13 +149,15 @@ def test_random_weights_mode(tmp_path):
     # every method, the headline size (--tree_tokens) first, then the other sizes; eager on a CPU
     assert [(r["method"], r["tree_tokens"]) for r in report["rounds"]] == [
         ("eagle2", 16), ("eagle3", 16), ("eagle", 26), ("eagle2", 32), ("eagle3", 32)]
-    assert {r["timing"] for r in report["rounds"]} == {"eager"} and report["skipped"] == []
+    assert report["timing"] == "eager" and {r["timing"] for r in report["rounds"]} == {"eager"}
+    assert report["skipped"] == [] and report["dtype"] == "float32"
     assert len(report["predicted"]) == 2 * 5
     for p in report["predicted"]:
         r = next(r for r in report["rounds"] if (r["method"], r["tree_tokens"]) == (p["method"], p["tree_tokens"]))
         assert p["speedup"] == pytest.approx(p["tau"] / r["cost_vs_step"])
     assert "## (c) predicted speedup" in out.with_suffix(".md").read_text()
-    # a quantized target, and a time budget that leaves the rounds out: they are listed as such
+    # a quantized target from a JSON config, and a time budget that leaves the rounds out: listed as such
+    common[2] = str(tiny_config_file("tiny-llama", tmp_path))
     small = bench.main(common + ["--out", str(tmp_path / "int8"), "--quantize", "int8", "--methods", "eagle2",
                                  "--time_budget", "0"])
     assert small["rounds"] == [] and [(r["method"], r["tree_tokens"]) for r in small["skipped"]] == [("eagle2", 16),
@@ -177,9 +180,10 @@ def test_dry_run_checks_the_arguments_only(tmp_path, capsys):
 def test_random_weights_tensor_parallel_timing_runs(tmp_path):
     """--tp_timing under torchrun, two ranks: rank 0 writes the report, which records the tensor
     parallelism, each rank's weights and the step's breakdown (the code path only; the times
-    themselves are for a quiet machine, benchmarks/README.md)."""
+    themselves are for a quiet machine: docs/tensor_parallel.md). The tiny config travels as a file."""
     out = tmp_path / "tp"
-    result = torchrun(2, "scripts/benchmark.py", "--random_weights", "--model_name", "tiny-llama", "--device", "cpu",
+    config = tiny_config_file("tiny-llama", tmp_path)
+    result = torchrun(2, "scripts/benchmark.py", "--random_weights", "--model_name", config, "--device", "cpu",
                       "--steps", 2, "--prompt_length", 8, "--tree_sizes", 6, "--tree_tokens", 6, "--tree_top_k", 2,
                       "--tree_depth", 2, "--methods", "eagle2", "--tp_timing", "--out", out)
     assert result.returncode == 0, result.stderr
@@ -198,7 +202,8 @@ def test_random_weights_tensor_parallel_timing_runs(tmp_path):
     (["--random_weights", "--model_name", "no-such-model"], "unknown model name"),
     (["--tree_tokens", "many"], "expected a number of tree nodes or 'auto'"),
     (["--temperatures", "-1"], "--temperatures must be >= 0"),
-    (["--random_weights", "--model_name", "tiny-llama", "--peers"], "--peers adds rows to the MT-bench run"),
+    (["--random_weights", "--model_name", "tiny-llama", "--peers"], "--peers and --batch_invariant are for MT-bench"),
+    (["--random_weights", "--model_name", "missing.json"], "--model_name missing.json:"),
     (["--methods", "vanilla", "--peers", "--prompt_lookup_num_tokens", "0"], "--prompt_lookup_num_tokens must be >= 1"),
     (["--methods", "eagle3"], "need an EAGLE-3 head"),
     (["--time_budget", "-5"], "--time_budget must be >= 0"),
@@ -336,60 +341,58 @@ def chain_probes(top_k, depth, accepted_len, n=3):
 
 def test_predicted_tau_keeps_the_best_candidates_of_the_allowed_depth():
     probes = chain_probes(top_k=4, depth=6, accepted_len=5)
-    assert speculative.predicted_tau(probes, depth=6, tokens=64) == 6  # the whole path, and the bonus
-    assert speculative.predicted_tau(probes, depth=3, tokens=64) == 4  # the path's first 3 levels
-    assert speculative.predicted_tau(probes, depth=6, tokens=3) == 3   # room for 2 nodes: the 2 best
-    assert speculative.predicted_tau(probes, depth=6, tokens=2) == 2
+    assert autoshape.predicted_tau(probes, depth=6, tokens=64) == 6  # the whole path, and the bonus
+    assert autoshape.predicted_tau(probes, depth=3, tokens=64) == 4  # the path's first 3 levels
+    assert autoshape.predicted_tau(probes, depth=6, tokens=3) == 3   # room for 2 nodes: the 2 best
+    assert autoshape.predicted_tau(probes, depth=6, tokens=2) == 2
 
 
 def test_choose_shape_on_a_cpu_a_gpu_and_where_nothing_pays():
     acceptance = {4: chain_probes(4, 8, accepted_len=5), 8: chain_probes(8, 8, accepted_len=5)}
     # a CPU: verifying costs more the more tokens; levels are cheap
-    cpu = speculative.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS},
+    cpu = autoshape.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in autoshape.AUTO_TOKENS},
                                  grow={4: (0.05, 0.05), 8: (0.1, 0.1)}, other=0.1)
-    choice, table = speculative.choose_shape(cpu, acceptance, depths=range(1, 9))
+    choice, table = autoshape.choose_shape(cpu, acceptance, depths=range(1, 9))
     assert choice == dict(tree_top_k=4, tree_depth=5, tree_tokens=6)  # tau 6 for 1.45 steps: 4.1x
     assert table[0][0] == pytest.approx(6 / 1.45) and table[0][3] == choice
     assert all(a[0] >= b[0] for a, b in zip(table, table[1:]))  # best first
     # a GPU: verifying 64 tokens costs about what one does; the path gets longer in bigger trees
-    gpu = cpu._replace(verify={T: 1.0 + 0.001 * T for T in speculative.AUTO_TOKENS})
+    gpu = cpu._replace(verify={T: 1.0 + 0.001 * T for T in autoshape.AUTO_TOKENS})
     deep = {8: chain_probes(8, 8, accepted_len=8)}
-    assert speculative.choose_shape(gpu, deep, depths=range(1, 9))[0] == dict(tree_top_k=8, tree_depth=8, tree_tokens=12)
+    assert autoshape.choose_shape(gpu, deep, depths=range(1, 9))[0] == dict(tree_top_k=8, tree_depth=8, tree_tokens=12)
     # nothing pays: every tree costs more than the tokens it brings (and a close call goes to vanilla)
-    slow = cpu._replace(verify={T: 3.0 + T for T in speculative.AUTO_TOKENS})
-    assert speculative.choose_shape(slow, acceptance, depths=range(1, 9))[0] is None
-    close = speculative.ShapeCosts(step=1.0, verify={2: 0.97}, grow={4: (0.0, 0.0)}, other=0.0)
-    assert speculative.choose_shape(close, {4: chain_probes(4, 1, accepted_len=0)}, depths=[1])[0] is None
+    slow = cpu._replace(verify={T: 3.0 + T for T in autoshape.AUTO_TOKENS})
+    assert autoshape.choose_shape(slow, acceptance, depths=range(1, 9))[0] is None
+    close = autoshape.ShapeCosts(step=1.0, verify={2: 0.97}, grow={4: (0.0, 0.0)}, other=0.0)
+    assert autoshape.choose_shape(close, {4: chain_probes(4, 1, accepted_len=0)}, depths=[1])[0] is None
     # only ratios of costs matter, not the unit
     ms = cpu._replace(step=1e-3, verify={T: s * 1e-3 for T, s in cpu.verify.items()},
                       grow={k: (a * 1e-3, b * 1e-3) for k, (a, b) in cpu.grow.items()}, other=1e-4)
-    assert speculative.choose_shape(ms, acceptance, depths=range(1, 9))[0] == choice
+    assert autoshape.choose_shape(ms, acceptance, depths=range(1, 9))[0] == choice
 
 
 @torch.no_grad()
 def test_a_smaller_tree_accepts_what_the_probe_predicts():
     """The claim auto's predictions rest on (greedy): from one state, a tree of depth d and T tokens
     accepts exactly the prefix of the deep, large probe tree's accepted path that it keeps."""
-    import copy
-
     target, draft = mirrored_pair(seed=2)
     prompt = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(3))
     for depth, tokens in [(2, 4), (3, 6), (4, 8), (3, 12)]:
-        big = speculative.Speculator(copy.deepcopy(target), copy.deepcopy(draft), tree_top_k=4, tree_depth=4,
+        big = Speculator(copy.deepcopy(target), copy.deepcopy(draft), tree_top_k=4, tree_depth=4,
                                      tree_tokens=40)
-        small = speculative.Speculator(copy.deepcopy(target), copy.deepcopy(draft), tree_top_k=4, tree_depth=depth,
+        small = Speculator(copy.deepcopy(target), copy.deepcopy(draft), tree_top_k=4, tree_depth=depth,
                                        tree_tokens=tokens)
         for spec in (big, small):
             spec.prefill(prompt, 40)
         for _ in range(3):  # the same states as long as both accept the same; compare the first round
             tree, pool = big.grow(big.catch_up(), with_pool=True)
             logits, _ = big.verify(tree)
-            node, n_accepted, _ = speculative.accept(tree, logits, 0.0)
+            node, n_accepted, _ = accept(tree, logits, 0.0)
             accepted = pool.keep[0, tree.paths[0, node[0], 1:n_accepted[0] + 1] - 1].tolist()
-            predicted = speculative.predicted_tau([(pool.scores[0], pool.depth, accepted)], depth, tokens)
+            predicted = autoshape.predicted_tau([(pool.scores[0], pool.depth, accepted)], depth, tokens)
             tree_s = small.grow(small.catch_up())
             logits_s, _ = small.verify(tree_s)
-            assert 1 + int(speculative.accept(tree_s, logits_s, 0.0)[1][0]) == predicted
+            assert 1 + int(accept(tree_s, logits_s, 0.0)[1][0]) == predicted
             break
 
 
@@ -397,14 +400,14 @@ def test_a_smaller_tree_accepts_what_the_probe_predicts():
 def test_measure_shapes_probes_every_top_k_and_times_each_part():
     target, draft = mirrored_pair()
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9)]
-    costs, acceptance = speculative.measure_shapes(target, draft, prompts, top_ks=(2, 4), max_depth=3,
-                                                   tokens=(2, 4, 8, 16, 64), rounds=4)
+    costs, acceptance = autoshape.measure_shapes(target, draft, prompts, top_ks=(2, 4), max_depth=3,
+                                                 tokens=(2, 4, 8, 16, 64), rounds=4)
     assert set(acceptance) == {2, 4} and all(len(p) == 4 for p in acceptance.values())
     assert set(costs.verify) == {2, 4, 8, 16} and set(costs.grow) == {2, 4}  # 64 > the largest tree (1 + 4 + 2 * 16)
     assert costs.step > 0 and costs.other > 0 and all(v > 0 for v in costs.verify.values())
     scores, levels, accepted = acceptance[4][0]
     assert levels.tolist() == [1] * 4 + [2] * 16 + [3] * 16 and len(scores) == 36
-    assert speculative.predicted_tau(acceptance[4], 3, 16) > 2  # the mirrored draft's guesses are accepted
+    assert autoshape.predicted_tau(acceptance[4], 3, 16) > 2  # the mirrored draft's guesses are accepted
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -414,33 +417,35 @@ def test_measure_shapes_on_cuda_graph_replays():
     verify; the probe rounds are real rounds, which accept the mirrored draft's guesses."""
     target, draft = (m.cuda() for m in mirrored_pair())
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9)]
-    costs, acceptance = speculative.measure_shapes(target, draft, prompts, top_ks=(4,), max_depth=3, tokens=(4, 8),
-                                                   rounds=3, cuda_graphs=True)
+    costs, acceptance = autoshape.measure_shapes(target, draft, prompts, top_ks=(4,), max_depth=3, tokens=(4, 8),
+                                                 rounds=3, cuda_graphs=True)
     assert costs.step > 0 and set(costs.verify) == {4, 8} and costs.grow[4][0] > 0
-    assert speculative.predicted_tau(acceptance[4], 3, 8) > 2
+    assert autoshape.predicted_tau(acceptance[4], 3, 8) > 2
 
 
 def test_auto_shape_measures_once_and_reads_its_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "cache"))
     calls = []
-    costs = speculative.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS},
-                                   grow={4: (0.05, 0.05)}, other=0.1)
-    monkeypatch.setattr(speculative, "measure_shapes",
+    costs = autoshape.ShapeCosts(step=1.0, verify={T: 0.5 + 0.1 * T for T in autoshape.AUTO_TOKENS},
+                                 grow={4: (0.05, 0.05)}, other=0.1)
+    monkeypatch.setattr(autoshape, "measure_shapes",
                         lambda *a, **k: calls.append(k) or (costs, {4: chain_probes(4, 8, accepted_len=5)}))
     key = dict(machine="test", model="m")
-    first = speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
-    again = speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
+    first = autoshape.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
+    again = autoshape.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=0.0)
     assert first == again == dict(tree_top_k=4, tree_depth=5, tree_tokens=6) and len(calls) == 1
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the file, renamed whole: no partial one left
-    speculative.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=1.0)
+    autoshape.auto_shape(None, None, [[1, 2]], top_ks=(4,), cache_key=key, temperature=1.0)
     assert len(calls) == 2  # another temperature is another measurement
     with pytest.raises(ValueError, match="measures on prompts"):
-        speculative.auto_shape(None, None, [], top_ks=(4,))
+        autoshape.auto_shape(None, None, [], top_ks=(4,))
 
 
 def _args(**kw):
+    """What generate.make_decoder reads of generate.check_args' Namespace."""
     defaults = dict(speculate="eagle2", temperature=0.0, top_k=None, top_p=None, compile=False, compile_prefill=False,
-                    device="cpu", tree=None, tree_top_k=4, tree_depth=None, tree_tokens="auto")
+                    device="cpu", tree_file=None, tree_top_k=4, tree_depth=None, tree_tokens="auto", lookup=0,
+                    adaptive=True, draft_dtype=None)
     return argparse.Namespace(**{**defaults, **kw})
 
 
@@ -453,16 +458,16 @@ def test_make_decoder_auto_falls_back_to_vanilla_or_builds_the_chosen_tree(monke
     prompt = [5, 7, 11, 13]
     expected = gen.generate(target, torch.tensor([prompt]), 20)[0]
     acceptance = {4: chain_probes(4, 8, accepted_len=3)}
-    slow = speculative.ShapeCosts(step=1.0, verify={T: 3.0 + T for T in speculative.AUTO_TOKENS}, grow={4: (0.1, 0.1)},
-                                  other=0.1)
-    monkeypatch.setattr(speculative, "measure_shapes", lambda *a, **k: (slow, acceptance))
+    slow = autoshape.ShapeCosts(step=1.0, verify={T: 3.0 + T for T in autoshape.AUTO_TOKENS}, grow={4: (0.1, 0.1)},
+                                other=0.1)
+    monkeypatch.setattr(autoshape, "measure_shapes", lambda *a, **k: (slow, acceptance))
     args = _args(draft_checkpoint_path=tmp_path / "eagle", checkpoint_path=tmp_path / "model.pth")
     decode = gen.make_decoder(args, target, (), 64, [prompt])
-    assert args.speculate == "none" and args.tree_tokens is None
+    assert args.speculate == "none"
     ids, per_round = decode(prompt, 20)
     assert ids == expected and per_round is None  # vanilla decoding
-    fast = slow._replace(verify={T: 0.5 + 0.1 * T for T in speculative.AUTO_TOKENS}, grow={4: (0.05, 0.05)})
-    monkeypatch.setattr(speculative, "measure_shapes", lambda *a, **k: (fast, acceptance))
+    fast = slow._replace(verify={T: 0.5 + 0.1 * T for T in autoshape.AUTO_TOKENS}, grow={4: (0.05, 0.05)})
+    monkeypatch.setattr(autoshape, "measure_shapes", lambda *a, **k: (fast, acceptance))
     monkeypatch.setenv("EAGLE_AUTO_CACHE", str(tmp_path / "another"))
     args = _args(draft_checkpoint_path=tmp_path / "eagle", checkpoint_path=tmp_path / "model.pth")
     decode = gen.make_decoder(args, target, (), 64, [prompt])
@@ -471,18 +476,7 @@ def test_make_decoder_auto_falls_back_to_vanilla_or_builds_the_chosen_tree(monke
     assert ids == expected and per_round is not None
 
 
-def test_vanilla_decoder_uses_the_compiled_step(monkeypatch):
-    """make_decoder must call the step function compile_decoding installed, not generate()'s default."""
-    target, _ = mirrored_pair()
-    calls = []
-    step = gen.decode_one_token
-    monkeypatch.setattr(gen, "decode_one_token", lambda *a: calls.append(1) or step(*a))
-    decode = gen.make_decoder(_args(speculate="none", tree_tokens=60), target, (), 32)
-    ids, _ = decode([1, 2, 3], 5)
-    assert len(ids) == 5 and len(calls) == 4
-
-
 def test_generate_cli_rejects_auto_for_the_static_tree(capsys):
     with pytest.raises(SystemExit):
-        gen.parse_args(["--speculate", "eagle", "--tree_tokens", "auto", "--draft_checkpoint_path", str(ROOT)])
-    assert "--tree_tokens auto sizes the dynamic trees of eagle2 and eagle3" in capsys.readouterr().err
+        gen.parse_args(["--speculate", "eagle", "--tree", "auto", "--draft_checkpoint_path", str(ROOT)])
+    assert "--tree TOP_K,DEPTH,TOKENS (or auto) sizes the dynamic trees of eagle2 and eagle3" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import random_draft, tiny_target
 from checkpoint import DRAFT_CONFIG, load_draft, save_draft
 from draft import EagleDraft, draft_config_for, grow_dynamic_tree, grow_static_tree, lookup_continuation
-from tree import MIN_STEP, mc_sim_7b_63, static_tree
+from trees import MIN_STEP, mc_sim_7b_63, static_tree
 
 
 def test_draft_layer_has_no_input_norm_and_fuses_embedding_then_feature():

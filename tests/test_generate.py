@@ -9,11 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoint
+import defaults
 import generate as gen
-import quantize
+import invariant
 import sampling
+from compiling import compile_function
 from convert_hf_checkpoint import convert_hf
-from conftest import ROOT
+from conftest import ROOT, tiny_target
+from cpu import pack_linears
+from quantize_checkpoint import quantize_checkpoint
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -32,9 +36,7 @@ def test_greedy_equals_transformers_generate(tiny_hf_checkpoint, arch):
 
 @torch.no_grad()
 def test_stops_at_a_stop_token_and_compiled_matches_eager():
-    torch.manual_seed(0)
-    from model import ModelArgs, Transformer
-    model = Transformer(ModelArgs.from_name("tiny-llama")).eval()
+    model = tiny_target()
     prompt = torch.randint(0, 512, (1, 6))
     full = gen.generate(model, prompt, 40)[0]
     assert len(full) == 40
@@ -54,7 +56,6 @@ def test_stops_at_a_stop_token_and_compiled_matches_eager():
 def test_compiled_frozen_decoding_equals_eager_on_smollm2(smollm2_checkpoint):
     """--compile on a CPU as generate.py does it (frozen weights, max-autotune's C++ GEMM
     templates, SDPA, the KV cache mutated in place): greedy tokens equal eager decoding's, float32."""
-    from speculative import compile_function
     from tokenizer import load_tokenizer
 
     model = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.float32)
@@ -114,11 +115,10 @@ def test_cli_answers_paris_and_stops_at_end_of_turn(smollm2_checkpoint, tmp_path
     gen.main(["--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--chat", "--prompt",
               "What is the capital of France?", "--max_new_tokens", "64", "--no-compile", "--output_json", str(out)])
     report = json.loads(out.read_text())
-    sample = report["samples"][0]
-    assert "Paris" in sample["text"]
-    assert sample["token_ids"][-1] == 2 and sample["new_tokens"] < 64  # stopped at <|im_end|>
-    assert "<|im_end|>" not in sample["text"]
-    assert report["device"] == "cpu" and report["compiled"] is False and sample["tokens_per_s"] > 0
+    assert "Paris" in report["text"]
+    assert report["token_ids"][-1] == 2 and report["new_tokens"] < 64  # stopped at <|im_end|>
+    assert "<|im_end|>" not in report["text"]
+    assert report["device"] == "cpu" and report["compiled"] is False and report["tokens_per_s"] > 0
     assert report["prompt_ids"][:1] == [1]  # <|im_start|>: the chat template was applied
 
 
@@ -128,19 +128,30 @@ def run_cli(*args):
 
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--top_p", "0"], "--top_p must be in (0, 1]"),
-    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
     (["--top_k", "0"], "--top_k must be >= 1"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
-    (["--speculate", "eagle2", "--draft_dtype", "bfloat16"], "--draft_dtype sets the dtype of an EAGLE-3 head"),
+    (["--prompt", "@no/such/file.txt"], "--prompt @no/such/file.txt: file not found"),
+    (["--tree", "4,3"], "expected auto, TOP_K,DEPTH,TOKENS"),
+    (["--tree", "4,3,8"], "--tree TOP_K,DEPTH,TOKENS (or auto) sizes the dynamic trees"),
+    (["--speculate", "eagle2", "--tree", "paths.json"], "--tree FILE.json sets the static tree of --speculate eagle"),
+    (["--lookup", "-1"], "--lookup must be >= 0"),
+    (["--compare"], "--compare puts plain decoding beside --speculate METHOD"),
 ])
 def test_bad_flags_are_clear_errors(args, message, capsys):
     """Refused while the flags are read, before any work (in this process: a Python process for
-    each would cost ~4 s of imports; the next tests run the real command line)."""
+    each would cost seconds of imports; the next tests run the real command line)."""
     with pytest.raises(SystemExit) as exit:
         gen.parse_args(args)
     assert exit.value.code != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", sorted(gen.REMOVED))
+def test_a_removed_flag_names_its_replacement(flag, capsys):
+    with pytest.raises(SystemExit):
+        gen.parse_args([flag, "1"])
+    err = capsys.readouterr().err
+    assert f"{flag} was removed: use {gen.REMOVED[flag]}" in err and err.count("\n") <= 3
 
 
 def test_a_missing_checkpoint_is_a_clear_error():
@@ -152,18 +163,16 @@ def test_a_missing_checkpoint_is_a_clear_error():
 def test_prompt_longer_than_the_context_is_a_clear_error(smollm2_checkpoint, tmp_path):
     prompt = tmp_path / "long.txt"
     prompt.write_text("word " * 9000)  # > 8192 tokens
-    result = run_cli("--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--prompt_file", str(prompt))
+    result = run_cli("--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--prompt", f"@{prompt}")
     assert result.returncode != 0
     assert "more than the model's context of 8192 tokens" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bytes_per_token_counts_packed_linears():
     """model_bytes_per_token is the same once pack_linears has put the linears' weights in oneDNN's
-    layout (eager half precision on a CPU), where they are no longer in the state dict (eager bf16
-    runs printed "0.00 GB/s" before)."""
-    from model import ModelArgs, Transformer, pack_linears, transformer_configs
+    layout (eager half precision on a CPU), where they are no longer in the state dict."""
     for name in ("tiny-llama", "tiny-qwen2"):
-        model = Transformer(ModelArgs(**transformer_configs[name])).to(torch.bfloat16)
+        model = tiny_target(name).to(torch.bfloat16)
         unpacked = gen.model_bytes_per_token(model)
         if not pack_linears(model):
             pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
@@ -175,21 +184,19 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
     checkpoint, _ = tiny_checkpoint
     out = tmp_path / "compare.json"
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
-                       "--speculate", "eagle2", "--tree_tokens", "16", "--compare", "--max_new_tokens", "40",
-                       "--device", "cpu", "--no-compile", "--no-adaptive", "--output_json", str(out)])
+                       "--speculate", "eagle2", "--tree", "10,6,16", "--compare", "--max_new_tokens", "40",
+                       "--device", "cpu", "--no-compile", "--output_json", str(out)])
     err = capsys.readouterr().err
     assert report["identical"] and report["plain"]["token_ids"] == report["speculative"]["token_ids"]
     assert report["speculative"]["mean_accepted"] > 2 and report["plain"]["mean_accepted"] == 1.0
     assert report["speedup"] == pytest.approx(report["speculative"]["tokens_per_s"] / report["plain"]["tokens_per_s"])
     assert "the two answers are identical" in err and "tau" in err and "speedup" in err
     assert json.loads(out.read_text())["speedup"] == report["speedup"]
-    with pytest.raises(SystemExit):
-        gen.parse_args(["--compare"])  # nothing to compare with
 
 
 def test_forwards_report_tau_over_rounds_and_plain_steps_apart():
-    """--adaptive's plain steps emit 1 token each: counted as rounds they would drag tau towards 1
-    (a head accepting 2.5 tokens a round read as 1.2). tau is over the rounds alone."""
+    """Adaptive decoding's plain steps emit 1 token each: counted as rounds they would drag tau
+    towards 1 (a head accepting 2.5 tokens a round read as 1.2). tau is over the rounds alone."""
     rounds_only = gen.Forwards([3, 1, 2])
     assert (rounds_only.rounds, rounds_only.tau) == (3, 2.0)
     assert rounds_only.describe() == "tau 2.00 over 3 rounds"
@@ -200,35 +207,53 @@ def test_forwards_report_tau_over_rounds_and_plain_steps_apart():
     assert gen.Forwards([1, 1], plain_steps=2).tau is None
 
 
+# ---------------------------------------------------------------------------------------------
+# Defaults: defaults.py's table, as the command line applies it
+# ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("amx", [True, False])
 def test_compiled_cpu_default_tree_follows_the_cpus_matrix_units(monkeypatch, tmp_path, amx):
-    """Compiled on a CPU without --tree_tokens: top-k 8, depth 3, 12 tokens and 8 lookup nodes with
-    AMX; 4 tokens of top-k 4 and no lookup nodes without (where verifying 8-12 rows costs several
-    steps). What the user passes is kept."""
+    """Compiled on a CPU without --tree: top-k 8, depth 3, 12 tokens and 8 lookup nodes with AMX;
+    4 tokens of top-k 4 and no lookup nodes without (where verifying 8-12 rows costs several
+    steps). eagle's static tree takes 8 lookup nodes everywhere; eager runs measure (auto). What
+    the user passes is kept."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     base = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
     args = gen.parse_args(base)
     expected = dict(tree_top_k=8, tree_depth=3, tree_tokens=12, lookup=8) if amx else \
         dict(tree_top_k=4, tree_depth=3, tree_tokens=4, lookup=0)
     assert {k: getattr(args, k) for k in expected} == expected
-    mine = gen.parse_args(base + ["--tree_top_k", "2", "--lookup", "3"])
-    assert (mine.tree_top_k, mine.tree_depth, mine.tree_tokens, mine.lookup) == (2, 3, expected["tree_tokens"], 3)
-    assert gen.parse_args(base + ["--tree_tokens", "20"]).lookup == 8  # not the compiled default tree
+    mine = gen.parse_args(base + ["--tree", "2,3,5", "--lookup", "3"])
+    assert (mine.tree_top_k, mine.tree_depth, mine.tree_tokens, mine.lookup) == (2, 3, 5, 3)
     eager = gen.parse_args(base[:2] + ["--no-compile"] + base[3:])
     assert (eager.tree_tokens, eager.lookup) == ("auto", 8)
+    static = gen.parse_args(base[:4] + ["eagle"] + base[5:])
+    assert (static.tree_tokens, static.tree_file, static.lookup) == (None, None, 8)
+    assert gen.parse_args(["--device", "cpu", "--speculate", "lookup"]).lookup == defaults.LOOKUP_ALONE
+
+
+def test_the_defaults_table_has_one_row_for_each_kind_of_run(monkeypatch):
+    """Every (device, compiled, AMX) a run can be finds exactly one row, named after its results."""
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        for device in ("cpu", "cuda"):
+            for compiled in (True, False):
+                rows = [r for r in defaults.TABLE if r.device == device and r.compiled in (None, compiled)
+                        and r.amx in (None, amx and device == "cpu")]
+                assert len(rows) == 1 and rows[0] == defaults.row(device, compiled) and rows[0].why
+    assert defaults.tree(defaults.row("cuda", False), "eagle3") == (10, defaults.EAGLE3_DEPTH, 60)
+    assert {r.dtype for r in defaults.TABLE if r.device == "cpu" and r.compiled} == {"bfloat16"}  # every CPU alike
 
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, tmp_path, amx):
     """--batch_invariant defaults to on for compiled bf16, float32 and float16 runs of an unquantized
-    file on a CPU without AMX (measured there to cost <= 10 % of a step and of a round), and of an
-    int8 or int4 file where its layers compile to Inductor's template
-    (quantize.INDUCTOR_INT8_ROWS_INVARIANT, INDUCTOR_INT4_ROWS_INVARIANT); off with AMX (bf16: 15 %),
-    eager, for int4 files on torch's kernel (a step +11 %, a round +14 %) and for quantized files
-    outside bf16; --batch_invariant / --no-batch_invariant always win."""
+    file on a CPU without AMX, and of an int8 or int4 file where its layers compile to Inductor's
+    template (quantize.INDUCTOR_INT8_ROWS_INVARIANT, INDUCTOR_INT4_ROWS_INVARIANT); off with AMX,
+    eager, for quantized files on torch's kernel and outside bf16; --batch_invariant /
+    --no-batch_invariant always win (benchmarks/RESULTS.md, "Batch-invariant cost")."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", not amx)
-    monkeypatch.setattr(quantize, "INDUCTOR_INT4_ROWS_INVARIANT", not amx)
+    monkeypatch.setattr(defaults, "INDUCTOR_INT8_ROWS_INVARIANT", not amx)
+    monkeypatch.setattr(defaults, "INDUCTOR_INT4_ROWS_INVARIANT", not amx)
     compiled = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
     assert gen.parse_args(compiled).batch_invariant is (not amx)
     assert gen.parse_args(compiled + ["--dtype", "bfloat16"]).batch_invariant is (not amx)
@@ -243,25 +268,22 @@ def test_batch_invariant_default_is_on_where_it_was_measured_cheap(monkeypatch, 
     int4 = ["--checkpoint_path", str(tmp_path / "model_int4.g32.pth")]
     assert gen.parse_args(compiled + int4).batch_invariant is (not amx)
     assert gen.parse_args(compiled + int4 + ["--dtype", "float16"]).batch_invariant is False  # built for bf16
-    monkeypatch.setattr(quantize, "INDUCTOR_INT8_ROWS_INVARIANT", False)  # say, a CPU without AVX2
-    monkeypatch.setattr(quantize, "INDUCTOR_INT4_ROWS_INVARIANT", False)  # ... or without AVX-512
+    monkeypatch.setattr(defaults, "INDUCTOR_INT8_ROWS_INVARIANT", False)  # say, a CPU without AVX2
+    monkeypatch.setattr(defaults, "INDUCTOR_INT4_ROWS_INVARIANT", False)  # ... or without AVX-512
     assert gen.parse_args(compiled + int8).batch_invariant is False
     assert gen.parse_args(compiled + int4).batch_invariant is False
 
 
-@pytest.mark.parametrize("cpu, expected", [(("AuthenticAMD", "26"), "float32"), (("AuthenticAMD", "25"), "bfloat16"),
-                                           (("GenuineIntel", "6"), "bfloat16"), ((None, None), "bfloat16")])
-def test_auto_dtype_of_a_compiled_cpu_run_is_the_one_measured_fastest_there(monkeypatch, tmp_path, cpu, expected):
-    """--dtype auto compiled on a CPU: float32 on an AMD Zen 5 (family 26, where it measured faster
-    than bf16), bfloat16 elsewhere and for quantized files (built for bf16); eager float32 (bf16 in
-    the eager batch-invariant mode, which holds in bf16 only); an explicit --dtype always wins."""
-    vendor, family = cpu
-    monkeypatch.setattr(gen, "cpu_info", lambda: {} if vendor is None else {"vendor_id": vendor, "cpu family": family})
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_dtype_is_the_tables(monkeypatch, tmp_path, amx):
+    """--dtype auto: bfloat16 compiled on every CPU (the same bits on two CPUs alike in what they
+    report), float32 eager (bf16 in the eager batch-invariant mode, which holds in bf16 only);
+    an explicit --dtype always wins."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     compiled = ["--device", "cpu", "--compile", "--speculate", "eagle3", "--draft_checkpoint_path", str(tmp_path)]
-    assert gen.parse_args(compiled).dtype == expected
-    assert gen.parse_args(compiled + ["--batch_invariant"]).dtype == expected  # compiled, the mode holds in both
-    assert gen.parse_args(compiled + ["--checkpoint_path", str(tmp_path / "model_int8.pth")]).dtype == "bfloat16"
-    assert gen.parse_args(compiled + ["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert gen.parse_args(compiled).dtype == "bfloat16"
+    assert gen.parse_args(compiled + ["--batch_invariant"]).dtype == "bfloat16"
+    assert gen.parse_args(compiled + ["--dtype", "float32"]).dtype == "float32"
     assert gen.parse_args(["--device", "cpu", "--no-compile"]).dtype == "float32"
     assert gen.parse_args(["--device", "cpu", "--no-compile", "--batch_invariant"]).dtype == "bfloat16"
 
@@ -271,11 +293,11 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
                                                                                         monkeypatch):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
-    trees larger than this CPU's model.eager_invariant_rows are refused with one line, and where
-    it is 1 (no tree fits; SmolLM2 on an AMD EPYC) before --tree_tokens auto measures shapes."""
+    trees larger than this CPU's invariant.eager_invariant_rows are refused with one line, and
+    where it is 1 (no tree fits) before --tree auto measures shapes."""
     checkpoint, _ = tiny_checkpoint
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
-                       "--speculate", "eagle2", "--tree_tokens", "16", "--lookup", "4", "--compare",
+                       "--speculate", "eagle2", "--tree", "10,6,16", "--lookup", "4", "--compare",
                        "--max_new_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
     err = capsys.readouterr().err
     assert report["dtype"] == "bfloat16" and report["identical"]
@@ -285,28 +307,27 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
         with pytest.raises(SystemExit):
             gen.parse_args(["--device", "cpu", "--batch_invariant", *bad])
         assert message in capsys.readouterr().err
-    for dtype in ("float32", "float16", "bfloat16"):  # compiled, every dtype holds (tests/test_model.py)
+    for dtype in ("float32", "float16", "bfloat16"):  # compiled, every dtype holds (tests/test_invariant.py)
         assert gen.parse_args(["--device", "cpu", "--batch_invariant", "--compile", "--dtype", dtype]).batch_invariant
     with pytest.raises(SystemExit, match=r"holds for trees of up to \d+ nodes on this CPU"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
-                  "--tree_tokens", "70", "--device", "cpu", "--no-compile", "--batch_invariant"])
-    monkeypatch.setattr(gen, "eager_invariant_rows", lambda model, most: 1)
+                  "--tree", "10,6,70", "--device", "cpu", "--no-compile", "--batch_invariant"])
+    monkeypatch.setattr(invariant, "eager_invariant_rows", lambda model, most: 1)
     monkeypatch.setattr(gen, "auto_shape", lambda *a, **k: pytest.fail("auto_shape ran before the refusal"))
     with pytest.raises(SystemExit, match="round a verify's rows apart from one-token steps for every tree"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
-                  "--tree_tokens", "auto", "--device", "cpu", "--no-compile", "--batch_invariant"])
+                  "--tree", "auto", "--device", "cpu", "--no-compile", "--batch_invariant"])
 
 
-def test_batch_invariant_on_cuda_takes_every_dtype_and_quantized_files_and_refuses_torchrun(tmp_path, monkeypatch):
-    """On CUDA the mode runs on invariant_kernels.py in every dtype, eager or compiled, int8 and int4
+def test_batch_invariant_on_cuda_takes_every_dtype_and_quantized_files_and_refuses_torchrun():
+    """On CUDA the mode runs on kernels/invariant.py in every dtype, eager or compiled, int8 and int4
     files too (tests/test_invariant_kernels.py); torchrun is refused in one line."""
     for dtype in ("bfloat16", "float16", "float32"):
         for compile in (False, True):
-            for name in ("model.pth", "model_int8.pth", "model_int4.g32.pth"):
-                assert gen.batch_invariant_problem("cuda", dtype, compile, tmp_path / name) is None
-    assert "not --device mps" in gen.batch_invariant_problem("mps", "bfloat16", True, tmp_path / "model.pth")
-    monkeypatch.setattr(gen.tp, "launched_by_torchrun", lambda: True)
-    assert "not under torchrun" in gen.batch_invariant_problem("cuda", "bfloat16", True, tmp_path / "model.pth")
+            for quantized in (None, "int8", "int4"):
+                assert invariant.problem("cuda", dtype, compile, quantized, False) is None
+    assert "not --device mps" in invariant.problem("mps", "bfloat16", True, None, False)
+    assert "not under torchrun" in invariant.problem("cuda", "bfloat16", True, None, True)
 
 
 @pytest.mark.all_threads
@@ -317,9 +338,9 @@ def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint
     same answer as plain decoding. Compiled, they hold too (tests/test_quantize.py); in another
     dtype than bfloat16 they are refused."""
     checkpoint, _ = tiny_checkpoint
-    quantized = quantize.quantize_checkpoint(checkpoint, mode)
+    quantized = quantize_checkpoint(checkpoint, mode)
     report = gen.main(["--checkpoint_path", str(quantized), "--chat", "--prompt", "Rivers flow to the sea.",
-                       "--speculate", "eagle2", "--tree_tokens", "28", "--lookup", "4", "--compare",
+                       "--speculate", "eagle2", "--tree", "10,6,28", "--lookup", "4", "--compare",
                        "--max_new_tokens", "40", "--device", "cpu", "--no-compile", "--batch_invariant"])
     err = capsys.readouterr().err
     assert report["dtype"] == "bfloat16" and report["identical"] and report["speculative"]["mean_accepted"] > 1
@@ -328,4 +349,4 @@ def test_batch_invariant_with_quantized_checkpoints_is_identical(tiny_checkpoint
     with pytest.raises(SystemExit):
         gen.parse_args(["--checkpoint_path", str(quantized), "--device", "cpu", "--batch_invariant", "--compile",
                         "--dtype", "float32"])
-    assert f"with a quantized file ({quantized.name}) is built for bfloat16, not float32" in capsys.readouterr().err
+    assert "with a quantized file is built for bfloat16, not float32" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import int8_matmul
+from kernels import int8_matmul
 import quantize
 
 DEVICES = [
@@ -45,7 +45,7 @@ def test_kernel_equals_the_dequantized_matmul(M, N, K, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @torch.no_grad()
 def test_launch_constants_are_read_at_every_call(device, dtype, monkeypatch):
-    """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
+    """A tuning sweep sets the module's launch constants: other values, same result."""
     for name in ("MAX_BLOCK_M", "FP32_MAX_BLOCK_M", "BLOCK_N"):
         monkeypatch.setattr(int8_matmul, name, 16)
     for name in ("BLOCK_K", "FP32_BLOCK_K"):

@@ -1,23 +1,22 @@
-"""invariant_kernels.py: batch-invariant mode's CUDA kernels. Each kernel's row t of a T-row call
-equals a one-row call bit for bit (T = 1..64), the kernels agree with PyTorch's arithmetic, a whole
-model on them gives a verify's rows the bits of one-token steps, and every launch compiles for
-sm_80/86/89/90 within the shared-memory limit.
+"""kernels/invariant.py: batch-invariant mode's CUDA kernels. Each kernel's row t of a T-row call
+equals a one-row call bit for bit (T = 1..64), the kernels agree with PyTorch's arithmetic, and a
+whole model on them (invariant.use_invariant_kernels) gives a verify's rows the bits of one-token
+steps. (That every launch compiles for sm_80/86/89/90: tests/test_kernel_fit.py.)
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
 before anything imports triton). The interpreter has no bfloat16 tl.dot (triton-lang/triton#11584),
 so the linear is checked there in float16 and float32; the norm and attention (no tl.dot) in all three.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-import invariant_kernels as ik
-import model as model_module
-from conftest import ROOT, invariant_cases, tiny_target
+import invariant
+from compiling import compile_function
+from conftest import invariant_cases, tiny_target
+from kernels import invariant as ik
+from model import RMSNorm
 
 
 @pytest.fixture(autouse=True)
@@ -81,13 +80,10 @@ def test_linear_rows_do_not_depend_on_the_row_count(device, dtype, bias, monkeyp
 
 @pytest.mark.parametrize("device, dtype", [c for c in LINEAR_CASES if c.values[1] == torch.float16])
 def test_the_linear_reads_its_setting_at_every_call(device, dtype, monkeypatch):
-    """scripts/tune_kernels.py sweeps whole 16-bit settings of LINEAR_CONFIG: under another one the
-    linear still computes F.linear and its rows still do not depend on the row count."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import tune_kernels
-
+    """A tuning sweep tries whole 16-bit settings of LINEAR_CONFIG: under another one the linear
+    still computes F.linear and its rows still do not depend on the row count."""
     setting = (16, 16, 64, 2, 3)
-    assert setting in tune_kernels.INVARIANT_LINEAR_SETTINGS and setting != ik.LINEAR_CONFIG[2]
+    assert setting != ik.LINEAR_CONFIG[2]
     monkeypatch.setitem(ik.LINEAR_CONFIG, 2, setting)
     assert ik.linear_config(dtype)["BLOCK_N"] == 16
     g = torch.Generator().manual_seed(1)
@@ -139,7 +135,7 @@ def test_a_linear_with_its_norm_fused_in_normalises_each_row_alone(device, dtype
     K, N = 200, 72
     x = (torch.randn(64, K, generator=g) * torch.logspace(-2, 2, 64)[:, None]).to(device, dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
-    norm = model_module.RMSNorm(K, eps=1e-5)
+    norm = RMSNorm(K, eps=1e-5)
     norm.weight.data = 1 + torch.randn(K, generator=g) / 4
     norm = norm.to(device, dtype)
     fused = lambda rows: ik.invariant_linear(rows, w, None, None, 0, norm.weight, norm.eps)  # noqa: E731
@@ -157,10 +153,10 @@ def test_fused_norms_leave_the_model_its_logits_and_launch_only_the_final_norm(d
     with FUSE_NORMS those linears normalise their input and the norms pass it on, so a forward
     launches rms_norm once (the final norm, whose output the LM head and the draft read), and the
     logits are the unfused model's up to the order of a sum of squares."""
-    if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
-        monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
-    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to(device, torch.float32)
-    model.invariant_window = 16
+    if device == "cpu":  # the mode sends a WindowMask to the kernel on CUDA only
+        monkeypatch.setattr(invariant, "invariant_attention", ik.window_attention)
+    model = invariant.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to(device, torch.float32)
+    invariant.enable(model, window=16)
     launched = []
     norm = ik.rms_norm
     monkeypatch.setattr(ik, "rms_norm", lambda *args: launched.append(1) or norm(*args))
@@ -246,7 +242,7 @@ def test_quantized_linears_dequantize_in_the_kernel_and_their_rows_do_not_depend
         w = quantize.dequantize_int4(quantize.unpack_nibbles(layer.weight), layer.scales_and_zeros, 32)[:N, :K]
     if split:
         assert ik.linear_splits(N, K, ik.linear_config(dtype))[0] > 1
-    fast = ik.InvariantLinear(layer.to(device, dtype))
+    fast = invariant.InvariantLinear(layer.to(device, dtype))
     x = torch.randn(64, K, generator=g).to(device, dtype)
     expected = torch.nn.functional.linear(x.float(), w.to(device)) + linear.bias.to(device)
     torch.testing.assert_close(fast(x).float(), expected,
@@ -261,14 +257,14 @@ def test_an_int4_layer_packed_for_the_cpu_is_a_clear_error():
     layer = quantize.WeightOnlyInt4Linear.from_linear(torch.nn.Linear(64, 32), 32).to(torch.bfloat16)
     layer.pack()
     with pytest.raises(ValueError, match="keeps no nibbles"):
-        ik.InvariantLinear(layer)
+        invariant.InvariantLinear(layer)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_model_norm(device, dtype):
     g = torch.Generator().manual_seed(0)
-    norm = model_module.RMSNorm(96, eps=1e-5)
+    norm = RMSNorm(96, eps=1e-5)
     norm.weight.data = torch.randn(96, generator=g)
     norm = norm.to(device, dtype)
     x = (torch.randn(64, 96, generator=g) * 3).to(device, dtype)
@@ -279,12 +275,12 @@ def test_rms_norm_rows_do_not_depend_on_the_row_count_and_equal_the_model_norm(d
 
 def window_case(device, dtype, T, W=8, H=4, KV=2, D=16, S=96, old=40, seed=0):
     """Queries at positions old + W .. old + W + T - 1 of committed text (slot = position), the
-    WindowMask that model.window_mask builds for them, and a cache."""
+    WindowMask that invariant.window_mask builds for them, and a cache."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, T, H, D, generator=g).transpose(1, 2)
     k, v = torch.randn(2, 1, KV, S, D, generator=g)
     pos = torch.arange(old + W, old + W + T)[None]
-    mask = model_module.window_mask(None, pos, pos, S, W)
+    mask = invariant.window_mask(None, pos, pos, S, W)
     return [t.to(device, dtype) for t in (q, k, v)], [t.to(device) for t in mask]
 
 
@@ -303,12 +299,12 @@ def test_window_attention_is_attention_and_its_rows_do_not_depend_on_the_row_cou
         monkeypatch.setattr(ik, name, value)
     T = 24
     (q, k, v), mask = window_case(device, dtype, T)
-    out = ik.window_attention(q, k, v, model_module.WindowMask(*mask))
-    expected = model_module.invariant_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(),
-                                                model_module.WindowMask(*(t.cpu() for t in mask)))
+    out = ik.window_attention(q, k, v, invariant.WindowMask(*mask))
+    expected = invariant.invariant_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(),
+                                                invariant.WindowMask(*(t.cpu() for t in mask)))
     torch.testing.assert_close(out.cpu().float(), expected,
                                **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
-    singles = torch.cat([ik.window_attention(q[:, :, t:t + 1], k, v, model_module.WindowMask(*(m[:, t:t + 1] for m in mask)))
+    singles = torch.cat([ik.window_attention(q[:, :, t:t + 1], k, v, invariant.WindowMask(*(m[:, t:t + 1] for m in mask)))
                          for t in range(T)], dim=2)
     assert torch.equal(out, singles)
 
@@ -336,9 +332,9 @@ def test_bad_input_is_a_clear_error(device):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(ik, "ATTENTION_CHUNK", ik.ATTENTION_BLOCK_N + 1)
         with pytest.raises(ValueError, match="multiple of ATTENTION_BLOCK_N"):
-            ik.window_attention(q, k, v, model_module.WindowMask(*mask))
+            ik.window_attention(q, k, v, invariant.WindowMask(*mask))
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        ik.use_invariant_kernels(tiny_target("tiny-mixtral"))
+        invariant.use_invariant_kernels(tiny_target("tiny-mixtral"))
 
 
 # split-K in every linear of tiny-llama but the output layer (K 64 and 128 in 32-column steps), the
@@ -367,19 +363,19 @@ def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(devic
     over the old part, and with split-K linears (their sums added by a second launch, or folded
     into the first; the norms apart, or fused into the linears) and chunked attention (and on CUDA
     int8 and int4 targets, next test). In the interpreter one layer and a 24-node verify. On the CPU the
-    attention is routed to the kernel as model.attention routes it on CUDA."""
+    attention is routed to the kernel as the mode routes it on CUDA."""
     for name, value in setting.items():
         monkeypatch.setattr(ik, name, value)
-    if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
-        monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
+    if device == "cpu":  # the mode sends a WindowMask to the kernel on CUDA only
+        monkeypatch.setattr(invariant, "invariant_attention", ik.window_attention)
     target = tiny_target("tiny-llama", n_layer=2 if device == "cuda" else 1)
     if quant:
         import quantize
         quantize.quantize_model(target, quant)  # int4 unpacked: the nibbles are what the kernel reads
-    model = ik.use_invariant_kernels(target).to(device, dtype)
+    model = invariant.use_invariant_kernels(target).to(device, dtype)
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
     assert quant or model.output.weight is model.tok_embeddings.weight or not model.config.tie_embeddings
-    model.invariant_window = 16
+    invariant.enable(model, window=16)
     # in the interpreter 24 nodes: split's BLOCK_M of 16 still gives the verify two row blocks
     for P, T, region in ((5, 3, 3), (40, 12, 48)) if device == "cuda" else ((40, 12, 24),):
         model.setup_caches(1, 128)
@@ -397,87 +393,6 @@ def test_a_quantized_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_s
     test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps("cuda", torch.bfloat16, SPLIT, monkeypatch,
                                                                           quant)
 
-def compiled_ahead_of_time(script: str):
-    """What script prints last, as JSON: it runs in a fresh interpreter with Triton's interpreter
-    off, so that scripts/kernel_fit.py compiles the kernels for a GPU this machine lacks."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import kernel_fit
-    if kernel_fit.unavailable():
-        pytest.skip(f"no ahead-of-time CUDA compilation here: {kernel_fit.unavailable()}")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{ROOT}:{ROOT / 'scripts'}"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-CHECK_FIT = r"""
-import json, torch, kernel_fit, invariant_kernels as ik
-compiler = kernel_fit.Compiler()
-compiler.add_module("invariant_kernels")
-launches = kernel_fit.invariant_launches(ik)
-rows = []
-for name, capability in kernel_fit.TARGETS.items():
-    limit = kernel_fit.tree_attention.SHARED_MEMORY_PER_BLOCK[capability]
-    for launch in launches:
-        result = kernel_fit.cached_compile(compiler, launch, capability, kernel_fit.DEFAULT_CACHE_DIR)
-        rows.append(dict(target=name, launch=kernel_fit.describe(launch), limit=limit, **result))
-print(json.dumps(rows))
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
-def test_every_launch_compiles_for_sm_80_86_89_90_within_the_shared_memory_limit():
-    """Each kernel's launches (one configuration per dtype for the linear and split-K's first launch,
-    its sum; int8 and int4 weights; the norm at 8,192 (LLaMA-2-70B's width) columns; attention and
-    its chunks at head_dim 64 and 128), compiled ahead of time as scripts/kernel_fit.py does (through
-    its cache, keyed by this kernel file's source): no compile error, shared memory within each
-    GPU's per-block limit."""
-    rows = compiled_ahead_of_time(CHECK_FIT)
-    import kernel_fit
-    assert len(rows) == 4 * len(kernel_fit.invariant_launches(ik))
-    # every kernel: linear (+ split-K's two, or one with the sum folded in; int8/int4 weights; a norm
-    # fused in), norm, attention (+ its chunks)
-    assert len(rows) == 4 * 33
-    for row in rows:
-        assert "error" not in row, row
-        assert row["shared"] <= row["limit"], row
-
-
-FOLD_PTX = r"""
-import json, kernel_fit, invariant_kernels as ik
-compiler = kernel_fit.Compiler()
-compiler.add_module("invariant_kernels")
-folds = [launch for launch in kernel_fit.invariant_launches(ik)
-         if launch.kernel == "_linear_partial_kernel" and launch.kwargs["FOLD"]]
-print(json.dumps([compiler.ptx(folds[0], (8, 0)), compiler.ptx(folds[-1], (9, 0))]))
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="ahead-of-time CUDA compilation needs Triton's Linux ptxas")
-def test_a_folded_split_k_publishes_its_sums_before_it_counts_them():
-    """LINEAR_FOLD_SPLITS rests on the order of memory operations on the GPU, which Triton's
-    interpreter (one program after another) cannot show. The PTX (bf16 for sm_80, int8 weights
-    for sm_90) has it: the range's float32 sums stored by every thread, a block barrier, one
-    thread's acquire-release atomic add at GPU scope on the tile's counter, its count shared through
-    a barrier, then the other ranges' sums loaded past L1 (ld.global.cg), the output stored and the
-    counter re-armed."""
-    for ptx in compiled_ahead_of_time(FOLD_PTX):
-        code = [line.strip() for line in ptx.splitlines()
-                if line.strip() and not line.strip().startswith(("//", ".loc"))]
-        atoms = [i for i, line in enumerate(code) if "atom." in line]
-        assert len(atoms) == 1, atoms
-        atom = atoms[0]
-        assert ".acq_rel" in code[atom] and ".gpu" in code[atom] and ".add" in code[atom], code[atom]
-        last_store = max(i for i, line in enumerate(code[:atom]) if "st.global" in line)
-        assert any(line.startswith("bar.sync") for line in code[last_store:atom]), code[last_store:atom + 1]
-        after = code[atom + 1:]
-        first_load = min(i for i, line in enumerate(after) if "ld.global" in line)
-        assert any(line.startswith("bar.sync") for line in after[:first_load])  # the count reaches every thread
-        assert sum("ld.global.cg" in line for line in after) >= 2  # range 0 and the others, past L1
-        assert any("st.global" in line for line in after)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
 def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
@@ -485,10 +400,10 @@ def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
     kernels: the graph has no break, holds each op whole, and its verify gives the eager rows
     (with FUSE_NORMS too: on CUDA; once in the interpreter, ~10 s)."""
     monkeypatch.setattr(ik, "FUSE_NORMS", device == "cuda")
-    if device == "cpu":  # model.attention sends a WindowMask to the kernel on CUDA only
-        monkeypatch.setattr(model_module, "invariant_attention", ik.window_attention)
-    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=1)).to(device, torch.float16)
-    model.invariant_window = 32
+    if device == "cpu":  # the mode sends a WindowMask to the kernel on CUDA only
+        monkeypatch.setattr(invariant, "invariant_attention", ik.window_attention)
+    model = invariant.use_invariant_kernels(tiny_target("tiny-llama", n_layer=1)).to(device, torch.float16)
+    invariant.enable(model, window=32)
     model.setup_caches(1, 64)
     eager_steps, eager_cases = invariant_cases(model, torch.float16, 6, 4, 8)
     ops = []
@@ -498,7 +413,7 @@ def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
         return gm
 
     torch._dynamo.reset()
-    compiled = torch.compile(torch._dynamo.dont_skip_tracing(model.forward), backend=backend, fullgraph=True)
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
     eager_forward, model.forward = model.forward, compiled
     try:
         model.setup_caches(1, 64)
@@ -518,17 +433,15 @@ def test_the_kernels_trace_into_one_graph_as_opaque_ops(device, monkeypatch):
 @torch.no_grad()
 def test_inductor_compiled_verify_gives_the_rows_of_compiled_steps_on_cuda(dtype):
     """What --compile --batch_invariant runs on CUDA: the target compiled by Inductor through
-    speculative.compile_function (as rounds and steps are), the kernels opaque ops among Inductor's
+    compiling.compile_function (as rounds and steps are), the kernels opaque ops among Inductor's
     fused ones, their float arguments passed as fp64 (tests/test_kernel_fit.py): every row of a
     verify equals the compiled one-token step's logits bit for bit."""
-    import speculative
-
-    model = ik.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to("cuda", dtype)
-    model.invariant_window = 32
+    model = invariant.use_invariant_kernels(tiny_target("tiny-llama", n_layer=2)).to("cuda", dtype)
+    invariant.enable(model, window=32)
     model.setup_caches(1, 128)
     torch._dynamo.reset()
     eager_forward = model.forward
-    model.forward = speculative.compile_function(torch._dynamo.dont_skip_tracing(eager_forward), "cuda", [model])
+    model.forward = compile_function(eager_forward, "cuda", [model])
     try:
         steps, cases = invariant_cases(model, dtype, 40, 12, 48)
     finally:

@@ -14,11 +14,15 @@ import torch.nn.functional as F
 import checkpoint
 import generate as gen
 import quantize
+import compiling
+import invariant
 import speculative
+from compiling import compile_function
 from checkpoint import load_draft, save_draft
 from conftest import invariant_cases, mirrored_pair, random_draft, save_checkpoint, tiny_target
 from quantize import (WeightOnlyInt4Linear, WeightOnlyInt8Linear, dequantize_int4, dequantize_int8, int4_kernel,
-                      main, pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_nibbles)
+                      pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_nibbles)
+from quantize_checkpoint import main
 
 CLASSES = {"int8": WeightOnlyInt8Linear, "int4": WeightOnlyInt4Linear}
 
@@ -158,38 +162,37 @@ def test_cpu_rows_do_not_depend_on_the_row_count_in_batch_invariant_mode():
 
 @torch.no_grad()
 def test_a_prefill_in_batch_invariant_mode_runs_int8_layers_as_outside_it():
-    """quantize.prefill_rows: for the duration, an int8 layer in the mode computes a prompt's rows
-    as outside the mode (the cast and a bf16 GEMM beyond CPU_INT8_KERNEL_ROWS rows), and is back in
-    the mode afterwards, an exception inside included; int4 layers are left alone."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False)).to(torch.bfloat16)
-    int8 = WeightOnlyInt8Linear.from_linear(model[0])
-    int4 = WeightOnlyInt4Linear.from_linear(model[1], 32)
-    int4.pack()
-    model = quantize.set_row_invariant(nn.Sequential(int8, int4))
+    """invariant.enable's hooks: for an eager prefill, an int8 layer in the mode computes a
+    prompt's rows as outside the mode (the cast and a bf16 GEMM beyond CPU_INT8_KERNEL_ROWS rows),
+    and is back in the mode afterwards, an exception inside included."""
+    target = tiny_target("tiny-llama").to(torch.bfloat16)
+    quantize.quantize_model(target, "int8")
+    invariant.enable(target)
+    target.setup_caches(1, 64)
+    int8 = target.layers[0].attention.wqkv
+    seen = []
+    hook = int8.register_forward_hook(lambda m, args, out: seen.append(m.row_invariant))
     x = torch.randn(quantize.CPU_INT8_KERNEL_ROWS + 4, 64).to(torch.bfloat16)
     kernel = torch.ops.aten._weight_int8pack_mm(x, int8.weight, int8.scales)
     cast = F.linear(x, int8.weight.to(x.dtype)) * int8.scales
-    assert not torch.equal(kernel, cast)  # else the test could not tell the two apart
-    assert torch.equal(int8(x), kernel)
-    with quantize.prefill_rows(model):
-        assert not int8.row_invariant and int4.row_invariant
-        assert torch.equal(int8(x), cast)
-    assert int8.row_invariant and torch.equal(int8(x), kernel)
-    with pytest.raises(KeyError), quantize.prefill_rows(model):
-        raise KeyError("inside")
+    assert not torch.equal(kernel, cast) and torch.equal(int8(x), kernel)  # the two can be told apart
+    target(torch.randint(0, 512, (1, 24)), torch.arange(24))
+    assert seen[-1] is False and int8.row_invariant and torch.equal(int8(x), kernel)
+    hook.remove()
+    int8.register_forward_hook(lambda m, args, out: (_ for _ in ()).throw(KeyError("inside")))
+    with pytest.raises(KeyError):
+        target(torch.randint(0, 512, (1, 24)), torch.arange(24))
     assert int8.row_invariant
 
 
 @torch.no_grad()
 def test_plain_and_speculative_prefills_leave_the_mode_for_int8_layers():
     """generate.prefill and Speculator.prefill run an eager target's int8 layers outside the mode
-    (quantize.prefill_rows), both alike, so that the caches they fill stay equal; the steps and
+    (invariant.enable's hooks), both alike, so that the caches they fill stay equal; the steps and
     verifies after them run in it."""
     target = tiny_target("tiny-llama").to(torch.bfloat16)
     quantize.quantize_model(target, "int8")
-    target.invariant_window = 32
-    quantize.set_row_invariant(target)
+    invariant.enable(target)
     layer = target.layers[0].attention.wqkv
     seen = []
     layer.register_forward_hook(lambda m, args, out: seen.append((args[0].numel() // m.in_features, m.row_invariant)))
@@ -212,8 +215,8 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
     """Compiled for the CPU in batch-invariant mode (bf16), an int8 or int4 target's verify of 16
     and 64 tree nodes gives each token the logits of its one-token step bit for bit, with the code
     this CPU's mode compiles its layers to: for int8 Inductor's C++ template, or with AMX torch's
-    kernel as an opaque op (quantize.INDUCTOR_INT8_ROWS_INVARIANT: there the template gave 4 of 8
-    and 26 of 30 rows of SmolLM2's shapes apart, torch 2.13); for int4 Inductor's int4 template on
+    kernel as an opaque op (quantize.INDUCTOR_INT8_ROWS_INVARIANT: there the template gives rows
+    of SmolLM2's shapes apart); for int4 Inductor's int4 template on
     an AVX-512 CPU without AMX (quantize.INDUCTOR_INT4_ROWS_INVARIANT; SmolLM2's shapes all take it),
     else the kernel (int4_rows_cpu)."""
     torch._dynamo.reset()
@@ -221,10 +224,9 @@ def test_compiled_quantized_rows_equal_one_token_steps_in_batch_invariant_mode(m
     model = tiny_target("SmolLM2-135M", n_layer=1, vocab_size=512).to(torch.bfloat16)
     quantize.quantize_model(model, mode)
     quantize.pack_int4(model)
-    model.invariant_window = 32
-    quantize.set_row_invariant(model)
+    invariant.enable(model)
     eager_forward = model.forward
-    model.forward = speculative.compile_function(torch._dynamo.dont_skip_tracing(eager_forward), "cpu", (model,))
+    model.forward = compile_function(eager_forward, "cpu", (model,))
     try:
         for P, T, region in ((20, 8, 16), (30, 30, 64)):
             model.setup_caches(1, 160)
@@ -254,7 +256,7 @@ def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(mo
     if template and not getattr(quantize, flag):
         pytest.skip(f"this CPU's {mode} template is not row-count invariant (AMX) or there is none")
     monkeypatch.setattr(quantize, flag, template)
-    monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "fx_graph_cache": False})
+    monkeypatch.setattr(compiling, "CPU_INDUCTOR", {**compiling.CPU_INDUCTOR, "fx_graph_cache": False})
     torch.manual_seed(0)
     linear = nn.Linear(128, out_features, bias=False).to(torch.bfloat16)
     layer = WeightOnlyInt8Linear.from_linear(linear) if mode == "int8" else WeightOnlyInt4Linear.from_linear(linear, 32)
@@ -270,7 +272,7 @@ def test_compiled_quantized_layers_of_the_mode_are_the_template_or_the_kernel(mo
         outs, codes = [], []
         for rows in (x, *x.split(1)):
             torch._dynamo.reset()
-            compiled = speculative.compile_function(torch._dynamo.dont_skip_tracing(layer.forward), "cpu",
+            compiled = compile_function(layer.forward, "cpu",
                                                     (holder, layer))
             out, code = run_and_get_code(compiled, rows)
             outs.append(out)
@@ -295,7 +297,7 @@ def test_compiled_row_ops_are_direct_kernel_calls(monkeypatch, mode):
     the kernel's, bit for bit."""
     from torch._inductor.utils import run_and_get_code
     # the code generated now, not a cached graph (Inductor's cache key does not see lowerings)
-    monkeypatch.setattr(speculative, "CPU_INDUCTOR", {**speculative.CPU_INDUCTOR, "fx_graph_cache": False})
+    monkeypatch.setattr(compiling, "CPU_INDUCTOR", {**compiling.CPU_INDUCTOR, "fx_graph_cache": False})
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -312,7 +314,7 @@ def test_compiled_row_ops_are_direct_kernel_calls(monkeypatch, mode):
         kernel_call, op_call = "_weight_int4pack_mm_cpu_tensor(", "eagle_gpt_fast::int4_rows_cpu"
     holder = nn.Module()
     holder.invariant_window = 32  # compile in the mode's settings
-    compiled = speculative.compile_function(lambda x: op(x, *args) * 2, "cpu", (holder,))
+    compiled = compile_function(lambda x: op(x, *args) * 2, "cpu", (holder,))
     try:
         out, code = run_and_get_code(compiled, x)
         code = "".join(code)
@@ -383,7 +385,7 @@ def test_int4_on_cpu_keeps_no_second_copy():
 
 
 # ---------------------------------------------------------------------------------------------
-# Files: quantize.py writes them, generate.load_model and draft.load_draft read them
+# Files: scripts/quantize_checkpoint.py writes them, checkpoint.load_model and load_draft read them
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode, groupsize, name", [
     ("int8", None, "model_int8.pth"), ("int4", 32, "model_int4.g32.pth"), ("int4", 128, "model_int4.g128.pth")])
@@ -445,7 +447,7 @@ def test_generate_cli_speculates_on_quantized_files(tiny_hf_checkpoint, tmp_path
         gen.main(["--checkpoint_path", str(int8), "--prompt", "The quick brown fox", "--max_new_tokens", "30",
                   "--device", "cpu", "--no-compile", "--speculate", method, "--draft_checkpoint_path", str(draft),
                   "--output_json", str(report)])
-        outputs[method] = json.loads(report.read_text())["samples"][0]["token_ids"]
+        outputs[method] = json.loads(report.read_text())["token_ids"]
     assert outputs["eagle2"] == outputs["none"] and len(outputs["none"]) > 5
 
 

@@ -14,12 +14,15 @@ import torch
 
 import checkpoint
 import generate as gen
-import model
+import invariant
 import sampling
 import speculative
+import compiling
+from attention import use_attention
+from compiling import compile_round
 from conftest import ROOT, eagle3_pair, mirrored_pair, random_draft, random_eagle3_draft, tiny_target
 from draft import Eagle3Draft, draft_config_for, eagle3_layer_ids
-from tree import Tree, mc_sim_7b_63, static_tree, tree_structure
+from trees import Tree, mc_sim_7b_63, static_tree, tree_structure
 
 METHODS = {
     "eagle": dict(static=static_tree(mc_sim_7b_63)),
@@ -77,7 +80,7 @@ def test_greedy_equals_vanilla_with_long_acceptances(method, compiled):
     spec.setup(4, 128)
     if compiled:  # every Speculator compiles the same code object: stay clear of dynamo's recompile limit
         torch._dynamo.reset()
-    round_fn = speculative.compile_round(spec, compile_prefill=False).round if compiled else None
+    round_fn = compile_round(spec, compile_prefill=False).round if compiled else None
     taus = []
     for prompt in prompts(20, 512, seed=1, lengths=(3, 40)):
         ids, per_round = speculative.speculative_generate(spec, prompt, 60, round_fn=round_fn)
@@ -165,17 +168,14 @@ def test_greedy_equals_vanilla_on_cuda(method):
         torch.manual_seed(0)
         draft = Eagle3Draft(draft_config_for(target.config), 256, eagle3_layer_ids(1)).eval()
     target, draft = target.cuda(), draft.cuda()
-    try:
-        model.set_attention_backend("auto", "cuda")
-        spec = speculative.Speculator(target, draft, **METHODS["eagle" if method == "eagle" else "eagle2"])
-        for prompt in prompts(6, 512, seed=1, lengths=(3, 40)):
-            ids, _ = speculative.speculative_generate(spec, prompt.cuda(), 40)
-            assert ids == vanilla(target, prompt.cuda(), 40)
-        batch = torch.cat([p[:, :8] for p in prompts(4, 512, seed=2, lengths=(8, 9))]).cuda()
-        ids, _ = speculative.speculative_generate(spec, batch, 40)
-        assert ids == [vanilla(target, batch[b:b + 1], 40)[0] for b in range(4)]
-    finally:
-        model.set_attention_backend("sdpa")
+    use_attention(target), use_attention(draft)  # on CUDA the fused tree kernel
+    spec = speculative.Speculator(target, draft, **METHODS["eagle" if method == "eagle" else "eagle2"])
+    for prompt in prompts(6, 512, seed=1, lengths=(3, 40)):
+        ids, _ = speculative.speculative_generate(spec, prompt.cuda(), 40)
+        assert ids == vanilla(target, prompt.cuda(), 40)
+    batch = torch.cat([p[:, :8] for p in prompts(4, 512, seed=2, lengths=(8, 9))]).cuda()
+    ids, _ = speculative.speculative_generate(spec, batch, 40)
+    assert ids == [vanilla(target, batch[b:b + 1], 40)[0] for b in range(4)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,14 +216,14 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_
     """bfloat16, where the batched verify and the one-token step round differently: with the
     target in batch-invariant mode (generate.py --batch_invariant) every speculative answer equals
     plain decoding's token for token, EAGLE-2 and EAGLE-3 heads with prompt lookup grafted on.
-    Eager, trees as large as this CPU's GEMMs allow (model.eager_invariant_rows: 24 nodes on the
-    AMX Xeon, 1 on an AMD EPYC without AMX)."""
+    Eager, trees as large as this CPU's GEMMs allow (invariant.eager_invariant_rows: it depends on
+    the CPU, and where it is 1 the test skips)."""
     from checkpoint import load_draft
     from tokenizer import load_tokenizer
 
     target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.bfloat16)
-    target.invariant_window = model.INVARIANT_WINDOW
-    nodes = min(24, model.eager_invariant_rows(target, most=32))  # 32: as tests/test_model.py asks (cached)
+    invariant.enable(target)
+    nodes = min(24, invariant.eager_invariant_rows(target, most=32))  # 32: as tests/test_model.py asks (cached)
     if nodes < 2:  # generate.py refuses such runs in one line (tests/test_generate.py)
         pytest.skip("this CPU's eager bf16 GEMMs give a one-row call's bits to no call of 2 rows: no tree fits")
     lookup = min(8, nodes // 3)
@@ -253,8 +253,7 @@ def test_greedy_equals_vanilla_in_int8_with_batch_invariance_on_smollm2(smollm2_
 
     target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.bfloat16)
     quantize.quantize_model(target, "int8")
-    target.invariant_window = model.INVARIANT_WINDOW
-    quantize.set_row_invariant(target)
+    invariant.enable(target)
     tokenizer = load_tokenizer(smollm2_checkpoint)
     path = ROOT / "heads" / "SmolLM2-135M-Instruct"
     draft = load_draft(path, target.config, dtype=torch.bfloat16) if (path / "draft.safetensors").is_file() \
@@ -271,7 +270,7 @@ def test_greedy_equals_vanilla_in_int8_with_batch_invariance_on_smollm2(smollm2_
 def test_greedy_equals_vanilla_in_bf16_with_batch_invariance(method):
     """The same on a tiny bf16 target with random drafts, over many prompts and trees of 40 nodes."""
     target = tiny_target("tiny-llama").to(torch.bfloat16)
-    target.invariant_window = model.INVARIANT_WINDOW
+    invariant.enable(target)
     spec = speculative.Speculator(target, draft_for(method, target).to(torch.bfloat16), tree_top_k=6, tree_depth=5,
                                   tree_tokens=40, lookup=4)
     for prompt in prompts(6, 512):
@@ -281,7 +280,7 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance(method):
 
 def test_a_tree_deeper_than_the_invariant_window_is_an_error():
     target = tiny_target("tiny-llama")
-    target.invariant_window = 6
+    invariant.enable(target, window=6)
     with pytest.raises(ValueError, match="too deep"):
         speculative.Speculator(target, random_draft(target), tree_top_k=4, tree_depth=4, tree_tokens=10, lookup=3)
 
@@ -366,7 +365,7 @@ def test_compiled_decoding_follows_every_call_and_accepts_what_eager_accepts():
     for spec in (eager, compiled):
         spec.setup(1, 128)
     torch._dynamo.reset()
-    speculative.compile_round(compiled, compile_prefill=False)
+    compile_round(compiled, compile_prefill=False)
 
     def modes():
         return itertools.cycle(["round", "plain", "plain", "round"])
@@ -390,7 +389,7 @@ def test_a_compiled_flush_writes_the_draft_cache_where_the_text_is_now():
     spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=10)
     spec.setup(1, 128)
     torch._dynamo.reset()
-    speculative.compile_round(spec, compile_prefill=False)
+    compile_round(spec, compile_prefill=False)
     cache = draft.layer.attention.kv_cache.k_cache
     for length in (10, 30):  # the first flush compiles the graph
         spec.prefill(torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(length)), 40)
@@ -420,7 +419,7 @@ def test_compiled_prefill_takes_any_prompt_length_and_grows_the_buffers_before_i
         s.setup(1, 48)
     torch._dynamo.reset()
     eager_round = spec.round
-    speculative.compile_round(spec, compile_prefill=True)
+    compile_round(spec, compile_prefill=True)
     for length, n in ((9, 8), (20, 8), (60, 40)):
         prompt = prompts(1, 512, seed=length, lengths=(length, length + 1))[0]
         grows = length + n + 2 * (spec.depth + 1) > spec.capacity
@@ -614,7 +613,7 @@ def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method
     if compiled:
         spec.setup(N, 5 + 3 + 2 * (spec.depth + 1))  # the shapes the graph is compiled for
         torch._dynamo.reset()  # every Speculator compiles the same code object: clear of the recompile limit
-        round_fn = speculative.compile_round(spec, compile_prefill=False).round
+        round_fn = compile_round(spec, compile_prefill=False).round
     torch.manual_seed(123)
     ids, per_round = speculative.speculative_generate(spec, prompt.expand(N, -1), 3, round_fn=round_fn)
     first3 = torch.tensor([row[:3] for row in ids])
@@ -634,16 +633,16 @@ def test_sampling_matches_vanilla_distribution(temperature, top_k, top_p, method
 CACHED_STEP = """
 import json, sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-import generate as gen, speculative
+import compiling, generate as gen
 from conftest import tiny_target
 from torch._dynamo.utils import counters
-speculative.CPU_INDUCTOR = dict(speculative.CPU_INDUCTOR, max_autotune=False)  # freezing is what matters here
+compiling.CPU_INDUCTOR = dict(compiling.CPU_INDUCTOR, max_autotune=False)  # freezing is what matters here
 model = tiny_target("tiny-llama", seed=int(sys.argv[1])).eval()
 prompt = torch.arange(1, 9)[None]
 with torch.no_grad():
     model.setup_caches(1, 40)
     eager = gen.generate(model, prompt, 24)[0]
-    step = speculative.compile_function(gen.decode_one_token, "cpu", (model,))
+    step = compiling.compile_function(gen.decode_one_token, "cpu", (model,))
     compiled = gen.generate(model, prompt, 24, decode_fn=step)[0]
 print(json.dumps(dict(eager=eager, compiled=compiled, **{{k: v for k, v in counters["inductor"].items()
                                                          if k.startswith("fxgraph_cache")}})))
@@ -675,12 +674,12 @@ def test_a_second_process_loads_the_frozen_graph_from_the_cache(tmp_path):
 
 @torch.no_grad()
 def test_a_frozen_graph_keeps_the_guards_on_buffers_and_recompiles_for_a_grown_cache():
-    """speculative.frozen_graph_guards drops dynamo's guards inside submodules but for their
+    """compiling.frozen_graph_guards drops dynamo's guards inside submodules but for their
     buffers: a step compiled over a 40-slot cache, then run after setup_caches grew every layer's
     cache to 80 slots, recompiles (the caches are buffers) and decodes eager's tokens past slot 40;
     a guard on a layer's parameter or hook dict is dropped, one on the model's own attributes kept."""
     model = tiny_target("tiny-llama", seed=3).eval()
-    step = speculative.compile_function(gen.decode_one_token, "cpu", (model,))
+    step = compiling.compile_function(gen.decode_one_token, "cpu", (model,))
     model.setup_caches(1, 40)
     short = torch.arange(1, 9)[None]
     assert gen.generate(model, short, 24, decode_fn=step) == gen.generate(model, short, 24)
@@ -692,15 +691,15 @@ def test_a_frozen_graph_keeps_the_guards_on_buffers_and_recompiles_for_a_grown_c
              "L['model']._modules['layers']._modules['0']._modules['attention']._modules['kv_cache']._buffers['k_cache']",
              "L['model']._buffers['kv_storage']", "L['model'].invariant_window", "L['token']"]
     entries = [types.SimpleNamespace(name=name) for name in names]
-    assert speculative.frozen_graph_guards(entries) == [False, False, True, True, True, True]
+    assert compiling.frozen_graph_guards(entries) == [False, False, True, True, True, True]
 
 
 def test_a_torch_without_a_cpu_compile_setting_gets_a_clear_message(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(speculative, "CPU_COMPILE_NEEDS",
-                        speculative.CPU_COMPILE_NEEDS + (("torch._inductor.config", "no_such_setting"),))
-    assert speculative.missing_cpu_compile_settings() == ["torch._inductor.config.no_such_setting"]
+    monkeypatch.setattr(compiling, "CPU_COMPILE_NEEDS",
+                        compiling.CPU_COMPILE_NEEDS + (("torch._inductor.config", "no_such_setting"),))
+    assert compiling.missing_cpu_compile_settings() == ["torch._inductor.config.no_such_setting"]
     with pytest.raises(RuntimeError, match="torch._inductor.config.no_such_setting, which torch"):
-        speculative.compile_function(gen.decode_one_token, "cpu", (tiny_target(),))
+        compiling.compile_function(gen.decode_one_token, "cpu", (tiny_target(),))
     checkpoint_path = tmp_path / "tiny-llama" / "model.pth"
     checkpoint_path.parent.mkdir()
     checkpoint_path.write_bytes(b"")

@@ -16,10 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import speculative
+from compiling import compile_round
 from conftest import tiny_target
 from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids
 from model import ModelArgs, Transformer
-from tree import mc_sim_7b_63, static_tree
+from trees import mc_sim_7b_63, static_tree
 
 # The three ways to speculate: EAGLE-1's static tree, EAGLE-2's dynamic tree, EAGLE-3's draft
 # (with the dynamic tree, as published; the static tree with it is a fourth combination).
@@ -128,7 +129,7 @@ def test_compiled_round_is_one_graph_without_host_syncs_or_copies(case):
     spec.setup(1, 64)
     spec.prefill(torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0)), 16)
     recorder = GraphRecorder()
-    speculative.compile_round(spec, compile_prefill=False, backend=recorder)
+    compile_round(spec, backend=recorder)
     with torch._dynamo.config.patch(capture_scalar_outputs=False):
         spec.round()
         spec.round()  # the same graph again, no recompilation
@@ -182,7 +183,7 @@ def compiled_graphs_of_a_round(monkeypatch=None) -> tuple:
     spec.setup(1, 64)
     spec.prefill(torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0)), 16)
     recorder = MutationRecorder()
-    speculative.compile_round(spec, compile_prefill=False, backend=recorder)
+    compile_round(spec, backend=recorder)
     spec.round()
     spec.plain_step()
     spec.flush()

@@ -16,13 +16,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import autoshape
+import quantize
 import checkpoint
 import generate as gen
-import quantize
 import speculative
 import tp
 from conftest import ROOT, free_port, mirrored_pair, random_draft, save_checkpoint, tiny_target, torchrun
 from draft import Eagle3Draft, draft_config_for, eagle3_layer_ids
+from quantize_checkpoint import quantize_checkpoint
 
 WORLD_SIZE = 2
 TARGETS = ["tiny-llama", "tiny-qwen2", "tiny-mixtral"]  # GQA; q/k/v biases and tied embeddings; experts
@@ -44,7 +46,7 @@ def write_models(folder: Path):
     save_checkpoint(tiny_target("tiny-llama", n_head=3, n_local_heads=3, dim=48, intermediate_size=96), folder / "kv3")  # for an error
     for path in QUANTIZED:
         mode, groupsize = quantize.mode_from_path(path)
-        quantize.quantize_checkpoint(folder / path.split("/")[0] / "model.pth", mode, groupsize or 32)
+        quantize_checkpoint(folder / path.split("/")[0] / "model.pth", mode, groupsize or 32)
     target, draft = mirrored_pair()
     save_checkpoint(target, folder / "mirrored")
     checkpoint.save_draft(draft, folder / "mirrored" / "eagle")
@@ -72,7 +74,7 @@ def speculate(folder: Path, name: str, draft_name: str, shard, temperature=0.0, 
     spec = speculative.Speculator(target, draft, temperature=temperature, **TREE)
     round_fn = None
     if compiled:  # fullgraph: the round, all-reduces included, is one graph (aot_eager: no C++ build in a test)
-        round_fn = torch.compile(torch._dynamo.dont_skip_tracing(spec.round), backend="aot_eager", fullgraph=True)
+        round_fn = torch.compile(spec.round, backend="aot_eager", fullgraph=True)
     torch.manual_seed(seed)
     ids, per_round = speculative.speculative_generate(spec, PROMPT[:, :6] % target.config.vocab_size, 40,
                                                       round_fn=round_fn)
@@ -111,7 +113,7 @@ def distributed_only(folder: Path, shard) -> dict:
     out["compiled eagle2"] = speculate(folder, "mirrored", "eagle", shard, compiled=True)
     target = load(folder, "mirrored/model.pth", shard)  # --tree_tokens auto: its timings are rank 0's everywhere
     draft = checkpoint.load_draft(folder / "mirrored" / "eagle", target.config)
-    costs, acceptance = speculative.measure_shapes(target, draft, [PROMPT[0].tolist()], top_ks=(2,), max_depth=2,
+    costs, acceptance = autoshape.measure_shapes(target, draft, [PROMPT[0].tolist()], top_ks=(2,), max_depth=2,
                                                    tokens=(2, 4), rounds=2)
     out["tree costs"] = costs
     out["tree probes"] = [(scores.tolist(), depth.tolist(), accepted) for scores, depth, accepted in acceptance[2]]
@@ -272,7 +274,7 @@ def test_ranks_must_divide_the_heads(files, world_size, message):
 ], ids=["straddling", "padded"])
 def test_int4_groups_must_not_straddle_ranks(files, tmp_path, groupsize, message):
     path = save_checkpoint(tiny_target("tiny-llama"), tmp_path / "tiny")
-    quantized = quantize.quantize_checkpoint(path, "int4", groupsize)
+    quantized = quantize_checkpoint(path, "int4", groupsize)
     with pytest.raises(ValueError, match=message):
         checkpoint.load_model(quantized, "cpu", torch.float32, tp.Shard(1, 2))
 
@@ -297,17 +299,16 @@ def test_generate_cli_eagle2_under_torchrun(tiny_hf_checkpoint, tmp_path):
     checkpoint.save_draft(random_draft(model), path.parent / "eagle")
     report = tmp_path / "report.json"
     result = torchrun(2, "generate.py", "--checkpoint_path", path, "--prompt", "The quick brown fox",
-                      "--max_new_tokens", 12, "--speculate", "eagle2", "--tree_top_k", 4, "--tree_depth", 3,
-                      "--tree_tokens", 12, "--output_json", report)
+                      "--max_new_tokens", 12, "--speculate", "eagle2", "--tree", "4,3,12", "--output_json", report)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.count("Average tokens/s") == 1  # rank 1 is silent
+    assert result.stderr.count("tokens in") == 1  # rank 1 is silent
     assert "tensor parallel over 2 ranks" in result.stderr
     saved = json.loads(report.read_text())
     assert saved["tensor_parallel"] == 2
     assert saved["weight_bytes_per_rank"] < tp.weight_bytes(model)
     model.setup_caches(1, 64)
     expected = gen.generate(model, torch.tensor([saved["prompt_ids"]]), 12)[0]
-    assert saved["samples"][0]["token_ids"] == expected
+    assert saved["token_ids"] == expected
 
 
 def test_generate_cli_heads_error_under_torchrun(files):
@@ -321,11 +322,11 @@ def test_generate_cli_heads_error_under_torchrun(files):
 
 
 def test_a_missing_rank_is_an_error_not_a_hang(files):
-    """Rank 0 of 2 started alone: it gives up after --tp_timeout seconds with a clear error."""
+    """Rank 0 of 2 started alone: it gives up after EAGLE_TP_TIMEOUT seconds with a clear error."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(free_port()), EAGLE_TP_TIMEOUT="3")
     result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--checkpoint_path",
-                             str(files / "tiny-llama/model.pth"), "--tp_timeout", "3"],
+                             str(files / "tiny-llama/model.pth")],
                             capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert result.returncode != 0
     assert "error: tensor parallelism: rank 0 waited 3 s and not all 2 ranks joined" in result.stderr

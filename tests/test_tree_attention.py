@@ -1,4 +1,4 @@
-"""tree_attention.py: the fused Triton kernel against its PyTorch reference (SDPA over the dense
+"""kernels/tree_attention.py: the fused Triton kernel against its PyTorch reference (SDPA over the dense
 mask), and the speculative round with the kernel against the SDPA path.
 
 Without a GPU the kernel runs in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
@@ -6,19 +6,22 @@ before anything imports triton). The interpreter has no bfloat16 tl.dot (it mult
 bits: triton-lang/triton#11584), so bfloat16 is checked on CUDA only; float16 exercises the same
 16-bit path on the CPU.
 """
-import sys
+
 from unittest import mock
 
 import pytest
 import torch
 from torch._dynamo.comptime import comptime
 
+import attention
 import generate as gen
 import model
 import speculative
-import tree_attention
+from attention import use_attention
+from compiling import compile_round
 from conftest import mirrored_pair, tiny_target
-from tree import mc_sim_7b_63, static_tree, tree_attention_mask, tree_structure
+from kernels import tree_attention
+from trees import mc_sim_7b_63, static_tree, tree_structure
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not tree_attention.INTERPRETED,
@@ -134,7 +137,7 @@ def test_empty_shares_are_neither_written_nor_read(device, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @torch.no_grad()
 def test_launch_constants_are_read_at_every_call(device, dtype, monkeypatch):
-    """scripts/tune_kernels.py sweeps the module's launch constants: other values, same result."""
+    """A tuning sweep sets the module's launch constants: other values, same result."""
     monkeypatch.setattr(tree_attention, "BLOCK_N", 16)
     monkeypatch.setattr(tree_attention, "FP32_BLOCK_N", 16)
     monkeypatch.setattr(tree_attention, "MAX_BLOCK_M", 16)  # 24 rows: two blocks
@@ -245,37 +248,28 @@ def kernel_calls(monkeypatch):
 
     real = tree_attention.tree_attention
     monkeypatch.setattr(tree_attention, "tree_attention", counted)
-    assert model.set_attention_backend("triton") == "triton"
     yield calls
-    model.set_attention_backend("sdpa")
 
 
-def test_set_attention_backend(capsys):
-    try:
-        assert model.set_attention_backend("auto", "cpu") == "sdpa" and model._tree_kernel is None
-        assert model.set_attention_backend("triton") == "triton" and model._tree_kernel is tree_attention
-        with pytest.raises(ValueError, match="auto, sdpa or triton"):
-            model.set_attention_backend("flash")
-    finally:
-        model.set_attention_backend("sdpa")
-    with pytest.raises(SystemExit):
-        gen.parse_args(["--attention", "triton", "--device", "cpu"])
-    assert "--attention triton runs on CUDA" in capsys.readouterr().err
+def test_use_attention_backends():
+    target = tiny_target()
+    assert use_attention(target, "auto") == "sdpa" and target.layers[0].attention.attend is attention.cpu_attention
+    assert use_attention(target, "triton") == "triton"
+    assert all(layer.attention.attend is attention.tree_kernel_attention for layer in target.layers)
+    with pytest.raises(ValueError, match="auto, sdpa or triton"):
+        use_attention(target, "flash")
 
 
-def test_auto_falls_back_to_sdpa_when_the_kernel_cannot_import(tmp_path, monkeypatch, capsys):
-    """An older Triton can fail inside the import with an AttributeError (tree_attention did, on
-    triton.knobs before Triton 3.4): "auto" then takes sdpa; "triton" is a clear error."""
-    (tmp_path / "tree_attention.py").write_text("import triton\ntriton.knobs_of_a_future_triton\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "tree_attention")
-    try:
-        assert model.set_attention_backend("auto", "cuda") == "sdpa" and model._tree_kernel is None
-        assert "AttributeError" in capsys.readouterr().err
-        with pytest.raises(ValueError, match="needs triton"):
-            model.set_attention_backend("triton")
-    finally:
-        model.set_attention_backend("sdpa")
+def test_triton_without_the_kernel_is_a_clear_error(monkeypatch):
+    """An older Triton can fail inside the kernel's import with an AttributeError (it did, on
+    triton.knobs before Triton 3.4): "auto" then takes sdpa (on CUDA, saying why); "triton" is a
+    clear error."""
+    monkeypatch.setattr(attention, "tree_attention", None)
+    monkeypatch.setattr(attention, "TREE_KERNEL_MISSING", "AttributeError: triton.knobs", raising=False)
+    target = tiny_target()
+    assert use_attention(target, "auto") == "sdpa"
+    with pytest.raises(ValueError, match="needs triton"):
+        use_attention(target, "triton")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -286,6 +280,7 @@ def test_speculative_rounds_with_the_kernel_equal_the_sdpa_path(method, device, 
     with a draft good enough that deep paths are accepted and compacted every round."""
     target, draft = mirrored_pair(seed=2)
     target, draft = target.to(device), draft.to(device)
+    use_attention(target, "triton"), use_attention(draft, "triton")
     if method == "eagle":
         spec = speculative.Speculator(target, draft, static=static_tree(mc_sim_7b_63))
     else:
@@ -293,7 +288,7 @@ def test_speculative_rounds_with_the_kernel_equal_the_sdpa_path(method, device, 
     prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
     with_kernel, rounds = speculative.speculative_generate(spec, prompt, 16)
     n_calls = len(kernel_calls)
-    model.set_attention_backend("sdpa")
+    use_attention(target, "sdpa"), use_attention(draft, "sdpa")
     with_sdpa, _ = speculative.speculative_generate(spec, prompt, 16)
     assert len(kernel_calls) == n_calls  # the SDPA run did not use the kernel
     assert with_kernel == with_sdpa == gen.generate(target, prompt, 16)
@@ -309,9 +304,10 @@ def test_compiled_round_with_the_kernel_on_cuda(kernel_calls):
     Inductor passing its scale as fp64 (tests/test_kernel_fit.py): the round gives plain decoding's
     tokens, in its first run and in a replay of the captured graph."""
     target, draft = (m.to("cuda") for m in mirrored_pair(seed=2))
+    use_attention(target, "triton"), use_attention(draft, "triton")
     spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=4, tree_tokens=16)
     spec.setup(2, 64)
-    round_fn = speculative.compile_round(spec, compile_prefill=False).round
+    round_fn = compile_round(spec).round
     prompt = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3)).cuda()
     for _ in range(2):  # the second run replays the captured graph
         ids, _ = speculative.speculative_generate(spec, prompt, 16, round_fn=round_fn)
@@ -323,6 +319,7 @@ def test_compiled_round_with_the_kernel_on_cuda(kernel_calls):
 @torch.no_grad()
 def test_sliding_window_models_keep_the_dense_path(device, kernel_calls):
     target = tiny_target("tiny-llama", sliding_window=8).to(device)
+    use_attention(target, "triton")
     target.setup_caches(1, 64)
     T, L = 5, 20
     target(torch.randint(0, 512, (1, L), device=device), torch.arange(L, device=device))
@@ -330,6 +327,6 @@ def test_sliding_window_models_keep_the_dense_path(device, kernel_calls):
     args = (torch.randint(0, 512, (1, T), device=device), L + torch.tensor([[0, 1, 1, 2, 3]], device=device),
             64 - T + torch.arange(T, device=device))
     compact = target(*args, model.TreeMask(torch.tensor([L], device=device), ancestors))
-    dense = target(*args, tree_attention_mask(ancestors, torch.tensor([L], device=device), 64))
+    dense = target(*args, model.TreeMask(torch.tensor([L], device=device), ancestors).dense(64))
     assert kernel_calls == []
     torch.testing.assert_close(compact, dense, atol=0, rtol=0)

@@ -1,11 +1,12 @@
-"""tree.py: static trees from choice lists, tree structure from parent links, EAGLE-2 reranking,
-and the attention mask of the tree region."""
+"""trees.py: static trees from choice lists, tree structure from parent links, EAGLE-2 reranking,
+and the attention mask of the tree region (model.TreeMask)."""
 import random
 
 import pytest
 import torch
 
-from tree import MIN_STEP, Tree, expand, mc_sim_7b_63, rerank, static_tree, tree_attention_mask, tree_structure
+from model import TreeMask
+from trees import MIN_STEP, Tree, expand, mc_sim_7b_63, rerank, static_tree, tree_structure
 
 
 def brute_force_structure(parents):
@@ -110,7 +111,7 @@ def test_rerank_keeps_the_best_and_their_ancestors(k, depth, n_keep, seed):
 
 def test_tree_attention_mask():
     ancestors = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool).expand(2, 3, 3)
-    mask = tree_attention_mask(ancestors, torch.tensor([2, 4]), cache_len=10)
+    mask = TreeMask(torch.tensor([2, 4]), ancestors).dense(10)
     assert mask.shape == (2, 3, 10)
     assert mask[0, :, :7].sum(-1).tolist() == [2, 2, 2] and mask[0, :, :2].all()  # prefix of 2 only
     assert mask[1, :, :7].sum(-1).tolist() == [4, 4, 4] and mask[1, :, :4].all()
@@ -120,7 +121,7 @@ def test_tree_attention_mask():
 def test_graft_chain_continues_the_path_it_repeats():
     """A lookup chain that starts like an existing path is not verified twice: its rest hangs
     below that path's last node; a chain the tree does not start goes below the root."""
-    from tree import graft_chain
+    from trees import graft_chain
 
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2]])
     tree = Tree(torch.tensor([[9, 1, 2, 3, 4, 5]]), parents, *tree_structure(parents, 2))

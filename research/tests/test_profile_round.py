@@ -1,15 +1,11 @@
-"""scripts/profile_round.py on the tiny checkpoint: every phase of a round gets a row, and the
+"""research/profile_round.py on the tiny checkpoint: every phase of a round gets a row, and the
 phases account for the round."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import profile_round  # noqa: E402
+import profile_round
 
 
 @pytest.mark.parametrize("speculate, extra", [("eagle2", []), ("eagle3", ["--draft_dtype", "bfloat16"])])

@@ -1,21 +1,17 @@
-"""scripts/acceptance_bound.py: its search finds the n most probable paths (against enumerating
+"""research/acceptance_bound.py: its search finds the n most probable paths (against enumerating
 every path), the sum it reports is what speculative.accept's walk accepts on average, and the
 script runs end to end on the tiny checkpoint."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, mirrored_pair, tiny_target
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import acceptance_bound  # noqa: E402
-from sampling import logits_to_probs  # noqa: E402
-from speculative import Speculator, accept  # noqa: E402
-from tree import Tree, tree_structure  # noqa: E402
+import acceptance_bound
+from conftest import mirrored_pair, tiny_target
+from sampling import logits_to_probs
+from speculative import Speculator, accept
+from trees import Tree, tree_structure
 
 CONTEXT = [3, 1, 4, 1, 2]
 

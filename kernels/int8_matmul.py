@@ -3,12 +3,9 @@ Triton kernel that reads each int8 weight once for all rows, and its PyTorch ref
 
     y [M, N] = (x [M, K] @ w [N, K]^T) * scales [N]      fp32 accumulation, y in x's dtype
 
-quantize.WeightOnlyInt8Linear uses it on CUDA for 1 < M <= CUDA_INT8_KERNEL_ROWS rows: a tree
-verify (60 rows), the draft's tree levels (top_k rows) and its catch-up (depth + 1 rows). For one
-row, Inductor fuses the int8 -> bf16 cast into its GEMV and reads int8 already; for more rows it
-hands the matmul to cuBLAS, which needs the weight in bf16, so every call materialised it: about
-2.5x the bytes of a bf16 verify. A file of its own, like tree_attention.py, so that quantize.py
-stays importable where Triton is not.
+quantize.WeightOnlyInt8Linear uses it on CUDA for 1 < M <= CUDA_INT8_KERNEL_ROWS rows (verifies,
+draft levels, catch-up), where cuBLAS would need the weight cast to 16 bits on every call. A file of
+its own, so that quantize.py stays importable where Triton is not.
 """
 import os
 
@@ -17,24 +14,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tree_attention import shared_memory_limit  # the device's per-block limit (and the table by GPU)
+from kernels.tree_attention import shared_memory_limit  # the device's per-block limit (and the table by GPU)
 
 # As in tree_attention.py: Triton's interpreter (TRITON_INTERPRET=1 when this module is imported)
 # runs the kernel on CPU tensors, as the tests do; otherwise it needs CUDA tensors.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
-# Launch constants, to be tuned on the GPU (scripts/tune_kernels.py sets these module attributes;
-# launch_config reads them at every call). 16-bit x: all rows of a 60-row verify fit one block of
-# MAX_BLOCK_M, so each program reads its BLOCK_N x K weight stripe exactly once; BLOCK_N = 32 still
-# gives 128 programs for a 4096-wide output (an H100 has 132 SMs).
+# Launch constants, read at every call (launch_config), so a tuning sweep can set them. 16-bit x: a
+# verify's rows fit one block of MAX_BLOCK_M, so each program reads its weight stripe exactly once,
+# and narrow stripes still give about one program per SM for a wide output.
 MAX_BLOCK_M = 128
 BLOCK_N = 32
 BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4  # x and w blocks in flight; launch_config takes fewer where shared memory is short
-# float32 x (no tensor cores, "ieee"): the dot runs on FMA units with whole tiles in registers; the
-# 16-bit tiles spilled 3-16 KB a thread on sm_80/86/90. 64 rows x 32 columns with 8 warps compiled
-# with no spills on all three.
+# float32 x (no tensor cores, "ieee"): the dot runs on FMA units with whole tiles in registers, so it
+# takes smaller tiles, which compile without spills (tests/test_kernel_fit.py).
 FP32_MAX_BLOCK_M = 64
 FP32_BLOCK_K = 32
 FP32_NUM_WARPS = 8
@@ -66,14 +61,10 @@ def int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 def launch_config(M, dtype: torch.dtype, shared_limit: int) -> dict:
-    """The kernel's launch constants for M rows of dtype on a GPU whose blocks may use shared_limit
-    bytes of shared memory. The module's constants (16-bit or FP32_*) first; then, while
-    shared_bytes says they might not fit: shorter K steps down to 32, then fewer stages. A pure
-    function: int8_matmul() launches what it returns, the ahead-of-time checks compile it.
-
-    M may be symbolic (a prefill compiled with dynamic shapes): the row block is found by
-    comparisons, which torch.compile guards as ranges, so one graph serves every M of a block size
-    (M.bit_length() would pin M, and recompile for every prompt length)."""
+    """The launch constants for M rows within shared_limit bytes: the module's constants, shrunk while
+    shared_bytes says they might not fit; a pure function the ahead-of-time checks compile. M may be
+    symbolic (a dynamic-shape prefill): comparisons guard as ranges, so one graph serves every M of a
+    block size (M.bit_length() would recompile for every prompt length)."""
     fp32 = dtype == torch.float32
     most, block_k = (FP32_MAX_BLOCK_M, FP32_BLOCK_K) if fp32 else (MAX_BLOCK_M, BLOCK_K)
     block_m = 16  # tl.dot wants >= 16 rows
@@ -92,9 +83,8 @@ def launch_config(M, dtype: torch.dtype, shared_limit: int) -> dict:
 
 
 def shared_bytes(block_m: int, block_n: int, block_k: int, stages: int, elem: int) -> int:
-    """An upper bound on the kernel's shared memory: `stages` buffers of an x block (elem bytes a
-    value) and an int8 w block, and the w block cast to x's dtype. tests/test_kernel_fit.py holds
-    it against what Triton's compiler reports."""
+    """An upper bound on the kernel's shared memory (x and w stages, w cast to x's dtype);
+    tests/test_kernel_fit.py holds it against what Triton's compiler reports."""
     return stages * (block_m * block_k * elem + block_n * block_k) + block_n * block_k * elem
 
 

@@ -1,17 +1,15 @@
 """What --batch_invariant costs on this machine: a plain decode step and a speculative round of the
 target without the mode and in it, side by side in one process (two copies of the weights), timed
-in turns so that a machine that drifts drifts for both. generate.batch_invariant_by_default turns
-the mode on where both costs were measured to be at most 10 %; this script is how they are measured.
+in turns so that a machine that drifts drifts for both. defaults.py turns the mode on where both
+costs are at most 10 % (benchmarks/RESULTS.md, "Batch-invariant cost"); this is how they are measured.
 
-    python scripts/invariant_cost.py --compile --dtype bfloat16 \\
-        --out benchmarks/invariant_cost-SmolLM2-135M-Instruct-cpu-bf16-zen5
+    python research/invariant_cost.py --compile --dtype bfloat16 --out /tmp/invariant_cost-cpu-bf16
 
 The round is speculative.Speculator.round (one graph when --compile, as generate.py compiles it)
-with the CPU's compiled default tree for this CPU unless the tree flags say otherwise; every round
-starts from the state the previous one left, restarting from a chat prompt every 16 rounds
+with defaults.py's compiled CPU tree for this machine unless the tree flags say otherwise; every
+round starts from the state the previous one left, restarting from a chat prompt every 16 rounds
 (profile_round.rounds_from). Eager runs are timed too (the mode is not row-invariant in eager
-float32, but its cost can be timed).
-Writes OUT.json and OUT.md.
+float32, but its cost can be timed). Writes OUT.json and OUT.md.
 """
 import argparse
 import json
@@ -24,13 +22,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "research")]
 
+import compiling  # noqa: E402
+import defaults  # noqa: E402
 import generate as gen  # noqa: E402
+import invariant  # noqa: E402
 import speculative  # noqa: E402
-from benchmark import hardware_name  # noqa: E402  (scripts/ is on the path: this file's folder)
+from autoshape import cpu_name  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
-from model import pack_linears  # noqa: E402
+from cpu import pack_linears  # noqa: E402
 from profile_round import prompt_ids, rounds_from  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -51,33 +52,32 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=6, help="turns of (steps, rounds) for each target, alternating")
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = p.parse_args(argv)
-    tree = gen.CPU_COMPILED_TREE["amx" if torch.cpu._is_amx_tile_supported() else "no_amx"]
-    for name in ("tree_top_k", "tree_depth", "tree_tokens"):
+    tree = defaults.row("cpu", True).tree
+    for name, value in zip(("tree_top_k", "tree_depth", "tree_tokens"), tree):
         if getattr(args, name) is None:
-            setattr(args, name, tree[name])
+            setattr(args, name, value)
     args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / "eagle3"
     return args
 
 
-def make_target(args, invariant: bool):
+def make_target(args, batch_invariant: bool):
     """One copy of the target and head, its step and its round, compiled as generate.py compiles them."""
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint_path, "cpu", dtype)
-    if invariant:
-        gen.set_batch_invariant(model)
+    if batch_invariant:
+        invariant.enable(model)
     draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", dtype)
-    if not args.compile:  # eager, as generate.make_decoder runs it
+    if not args.compile:  # eager, as generate.py runs it
         pack_linears(model)
         pack_linears(draft)
     model.setup_caches(1, args.context)
-    step = gen.compile_step(gen.decode_one_token, "cpu", model) if args.compile else gen.decode_one_token
+    step = compiling.compile_step(gen.decode_one_token, "cpu", model) if args.compile else gen.decode_one_token
     spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
                                   tree_tokens=args.tree_tokens, stop_ids=())  # no stop: rounds keep coming
     spec.setup(1, args.context)
     round_fn = spec.round
     if args.compile:
-        round_fn = speculative.compile_function(torch._dynamo.dont_skip_tracing(spec.round), "cpu", (model, draft),
-                                                options=speculative.ROUND_OPTIONS)
+        round_fn = compiling.compile_function(spec.round, "cpu", (model, draft), options=compiling.ROUND_OPTIONS)
     return dict(model=model, step=step, spec=spec, round=round_fn, step_s=[], round_s=[])
 
 
@@ -105,22 +105,21 @@ def main(argv=None):
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     targets, compile_s = {}, {}
-    for name, invariant in (("plain", False), ("batch-invariant", True)):
+    for name, batch_invariant in (("plain", False), ("batch-invariant", True)):
         t = time.perf_counter()
-        targets[name] = make_target(args, invariant)
+        targets[name] = make_target(args, batch_invariant)
         turn(targets[name], tokenizer, args, warm_up=True)  # compiles the step and the round
         compile_s[name] = time.perf_counter() - t
     for n in range(args.turns):
-        # Each turn in the other order: the copy that runs second after the other's rounds ran
-        # 10 % slower in some runs, whichever it was (an int8 file on a Zen 5: the mode's step
-        # +11 % with a fixed order, -5 % alternating, with the same graphs).
+        # Each turn in the other order: whichever copy runs second after the other's rounds can
+        # run slower (caches, clocks), and a fixed order would charge that to one of them.
         order = list(targets.values())
         for target in order if n % 2 == 0 else order[::-1]:
             turn(target, tokenizer, args)
     ms = {name: dict(step=statistics.median(t["step_s"]) * 1e3, round=statistics.median(t["round_s"]) * 1e3)
           for name, t in targets.items()}
-    report = dict(command="python scripts/invariant_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=hardware_name("cpu"),
+    report = dict(command="python research/invariant_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=cpu_name(),
                   torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype, compile=args.compile,
                   checkpoint=args.checkpoint_path.name, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
                                                                    tokens=args.tree_tokens),
@@ -137,8 +136,7 @@ def main(argv=None):
 
 
 def markdown(report) -> str:
-    ms, cost = report["ms"], report["cost"]
-    tree = report["tree"]
+    ms, cost, tree = report["ms"], report["cost"], report["tree"]
     return "\n".join([
         f"# --batch_invariant's cost, {report['checkpoint']}, {report['dtype']}, "
         f"{'compiled' if report['compile'] else 'eager'} ({report['threads']} threads, torch {report['torch']})", "",

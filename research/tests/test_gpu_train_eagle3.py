@@ -1,4 +1,4 @@
-"""scripts/gpu_train_eagle3.sh on a CPU and a tiny checkpoint: its arguments, and the whole run (--prepare
+"""research/gpu_train_eagle3.sh on a CPU and a tiny checkpoint: its arguments, and the whole run (--prepare
 writing the features a later call reads, the probe, continuation epochs each from the head the one
 before wrote, the stop when an epoch finds no better head, the heads packed in parts that join into
 loadable heads)."""
@@ -16,7 +16,7 @@ import train_eagle as te
 from conftest import ROOT
 from test_train_eagle import eagle3_argv, tiny_eagle3_checkpoint
 
-SCRIPT = ROOT / "scripts" / "gpu_train_eagle3.sh"
+SCRIPT = ROOT / "research" / "gpu_train_eagle3.sh"
 
 
 def gpu_train(*args, **env):
@@ -83,7 +83,7 @@ def test_continuation_epochs_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, 
         assert info["init_from"]["dir"] == str(tmp_path / "work" / "init")  # each epoch from the one before
         assert not torch.equal(checkpoint.load_draft(best, target.config).fc.weight,
                                checkpoint.load_draft(head, target.config).fc.weight)
-    # The one-cosine form benchmarks/README.md gives the next lent GPU: a single run of two epochs,
+    # The one-cosine form of docs/training.md's GPU recipe: a single run of two epochs,
     # validated at their two ends only, from the cached features.
     cosine = gpu_train(tmp_path / "cosine", 3000, "--", "--epochs", "2", "--eval_every", "0", **{**env, "MAX_EPOCHS": "1"})
     assert cosine.returncode == 0, cosine.stdout + cosine.stderr

@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# The shipped EAGLE-3 head of SmolLM2 trained further on a lent GPU, inside one device call (under
-# 10 minutes): what takes a 2-core CPU a session an epoch takes a GPU a minute or two.
+# The shipped EAGLE-3 head of SmolLM2 trained further on a lent GPU, inside one device call of
+# under ten minutes (docs/training.md, "The GPU recipe").
 #
-#   bash scripts/gpu_train_eagle3.sh OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
+#   bash research/gpu_train_eagle3.sh OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
 #       there; SECONDS (default 540) bounds the whole run; arguments after -- go to every train_eagle.py run
-#   bash scripts/gpu_train_eagle3.sh --prepare OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
+#   bash research/gpu_train_eagle3.sh --prepare OUT_DIR [SECONDS] [-- TRAIN_EAGLE_ARGS...]
 #       stages 1 and 2 only (the target, the features of every shard, the probe, from a fresh head), then stop
 #
 # Before, here: GPU_CHECK_PART_SIZE=50M bash scripts/gpu_check.sh --split (the GGUF in parts under
 # downloads/parts, with the 'gguf' package the conversion needs); the parts travel in calls of their
-# own and are copied aside there. The call that brings the last part runs --prepare (the features,
-# ~3 minutes on an H200), so that the training call spends its 10 minutes on epochs: its own probe
-# then reads the cached features (the calls, as last run: benchmarks/README.md, "The EAGLE-3 head on
-# a third lent H200").
+# own and are copied aside there. The call that brings the last part runs --prepare (the features),
+# so that the training call spends its time on epochs: its own probe then reads the cached features
+# (the calls: docs/training.md).
 #
 # In order:
 #   1. the SmolLM2 GGUF joined and converted (gpu_check.sh --checkpoint: skipped when

@@ -1,32 +1,24 @@
 """Fused tree attention: a Triton kernel for the queries of a candidate tree, and its PyTorch reference.
 
-Speculative decoding verifies T tree nodes (T <= 64 or so) in one forward. Each node attends to
+Speculative decoding verifies T tree nodes in one forward. Each node attends to
 
     the prefix        cache slots 0 .. prefix_len[b] - 1, all visible, the same for every node
     the tree region   the last R slots of the cache, where the tree's own K/V were written; node i
                       sees the slots that visible[b, i] marks (its ancestors and itself)
 
-and never to the slots in between. A dense [B, T, S] mask plus SDPA reads a mask as large as the
-cache; this kernel reads prefix_len (a device tensor: the kernel loops up to it, the host never
-looks, so one launch fits in the CUDA graph of a round) and the small [B, T, R] mask.
+and never to the slots in between. Rather than a dense [B, T, S] mask as large as the cache, the
+kernel reads prefix_len (a device tensor the host never looks at, so a launch fits in a round's CUDA
+graph) and the small [B, T, R] mask.
 
-Layout of the work, one program per (block of query rows, prefix split, batch row and KV head):
-  * GQA: the G = H // KV query heads that share a KV head are stacked as rows of one block, so a
-    K/V block is read once for all of them (never a repeated K/V tensor). Row r of the stack is
-    query head kv * G + r // T, tree node r % T. Up to 128 rows make one block, fewer for a large
-    head_dim or float32 (launch_config; LLaMA-3: 4 * 60 = 240 rows, four blocks of 64 in 16 bits);
-    the row blocks of one KV head and split are launched next to each other (program id 0 varies
-    fastest), so they read the same K/V blocks at about the same time and all but the first find
-    them in L2.
-  * online softmax over the program's share of the prefix in BLOCK_N-slot blocks, then over the
-    region with the mask; fp32 accumulation whatever the input dtype.
-  * split-K: with few programs (one KV head per row at batch 1 leaves most SMs idle) the prefix is
-    cut into up to n_splits shares. The count comes from the launch (num_splits: enough programs
-    to fill the GPU); the share size comes from the live prefix, on the device: equal shares of
-    prefix_len, but at least MIN_SPLIT_SLOTS slots each, so a short prefix in a big cache uses one
-    or two shares and the others are empty: they read nothing, write nothing, and the merge
-    kernel skips them. Each non-empty share writes a normalised partial output and its
-    log-sum-exp; _merge_kernel combines them.
+One program per (block of query rows, prefix split, batch row and KV head):
+  * GQA: the G = H // KV query heads sharing a KV head are stacked as rows of one block (row r:
+    head kv * G + r // T, node r % T), so a K/V block is read once for all of them. Row blocks of
+    one KV head and split launch side by side, so all but the first find their K/V blocks in L2.
+  * online softmax over the program's share of the prefix, then over the region with the mask;
+    fp32 accumulation whatever the input dtype.
+  * split-K: with few programs the prefix is cut into up to n_splits shares (num_splits, from the
+    launch), sized on the device from the live prefix but at least MIN_SPLIT_SLOTS each; empty
+    shares read and write nothing. _merge_kernel combines the shares' partial outputs and lse.
 """
 import os
 from typing import Optional
@@ -37,48 +29,37 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tree import tree_attention_mask
+from model import TreeMask
 
-# Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when this module is
-# imported: then the kernels run in its interpreter (NumPy, any device), as the tests do on a CPU.
-# Otherwise they are compiled and need CUDA tensors. Read from the environment with the values
-# Triton accepts, not from triton.knobs, which exists from Triton 3.4 on only.
+# Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel (at import): then the kernels run
+# in its interpreter on any device, as the tests do on a CPU; otherwise they need CUDA tensors.
+# Read from the environment, since older Tritons lack triton.knobs.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
-# Launch constants, chosen for Hopper (H100) and still to be tuned there: they are read at every
-# call (launch_config), so scripts/tune_kernels.py sweeps them by setting these module attributes.
-# 16-bit inputs (tensor cores): BLOCK_N = 64 slots per K/V block keeps a bf16 K and V block at
-# 16 KiB each for head_dim 128. Query blocks are 16 to MAX_BLOCK_M rows (tl.dot wants >= 16), and
-# at most MAX_BLOCK_ELEMENTS query elements (rows x head_dim: 128 rows of head_dim 64, 64 rows of
-# 128), with one warp per ELEMENTS_PER_WARP of them (at least 4): the output accumulator is then
-# 32 float32 registers a thread. Compiled for sm_80/86/90 (scripts/kernel_fit.py), 128 rows of
-# head_dim 128 sat at 255 registers and spilled on sm_8x, with 4 or 16 warps alike.
+# Launch constants, read at every call (launch_config), so a tuning sweep can set them. 16-bit
+# inputs: query blocks of 16 to MAX_BLOCK_M rows (tl.dot wants >= 16) and at most MAX_BLOCK_ELEMENTS
+# query elements, one warp per ELEMENTS_PER_WARP, so the accumulator stays in registers; larger
+# blocks spilled (tests/test_kernel_fit.py compiles every launch for the GPUs we target).
 BLOCK_N = 64
 MAX_BLOCK_M = 128
 MAX_BLOCK_ELEMENTS = 64 * 128
 ELEMENTS_PER_WARP = 1024
 NUM_STAGES = 2  # K/V blocks in flight; launch_config takes fewer where shared memory is short
-# float32 inputs (the README's setting for exact equality) get no tensor cores ("ieee": no TF32):
-# tl.dot runs on FMA units with whole tiles in registers, and the 16-bit tiles spilled 3-56 KB a
-# thread and needed up to 172 KB of shared memory. 16 rows x 32 slots with 8 warps compiled with no
-# spills on sm_80, sm_86 and sm_90 for head_dim 64 and 128 (70-117 registers, 23-43 KB).
+# float32 inputs get no tensor cores ("ieee": no TF32): tl.dot runs on FMA units with whole tiles in
+# registers, so they take small tiles, which compile without spills.
 FP32_MAX_BLOCK_M = 16
 FP32_BLOCK_N = 32
 FP32_NUM_WARPS = 8
-# Split the prefix until about TARGET_PROGRAMS programs run (an H100 has 132 SMs), at most
-# MAX_SPLITS ways, and never into shares smaller than MIN_SPLIT_SLOTS cache slots: below that
-# a share's fixed costs (loading q, writing a partial output, the merge) outweigh the parallelism.
+# Split the prefix until about TARGET_PROGRAMS programs run (about one per SM), at most MAX_SPLITS
+# ways, never into shares below MIN_SPLIT_SLOTS: there a share's fixed costs outweigh the parallelism.
 TARGET_PROGRAMS = 132
 MIN_SPLIT_SLOTS = 512
 MAX_SPLITS = 16
 MERGE_BLOCK_ROWS = 16  # (tree node, head) rows per program of the merge
 
-# The most shared memory one block may use, in bytes (the opt-in maximum: what Triton compares a
-# kernel's needs with before it launches it, raising OutOfResources), by compute capability, from
-# the CUDA C++ Programming Guide: 163 KB on 8.0 and 8.7 (A100, Orin), 99 KB on 8.6, 8.9 and 12.0
-# (RTX 30xx, 40xx, 50xx), 227 KB on 9.0 and 10.0 (H100, B200), 96 KB on 7.0, 64 KB on 7.5. A GPU's
-# own figure is read at run time (shared_memory_limit); the table is for the ahead-of-time checks
-# (scripts/kernel_fit.py, tests/test_kernel_fit.py) and for a device that does not report it.
+# The opt-in shared memory per block by compute capability (CUDA C++ Programming Guide): what Triton
+# checks a kernel against before launching it. A GPU's own figure is read at run time; the table
+# serves tests/test_kernel_fit.py and a device that does not report it.
 SHARED_MEMORY_PER_BLOCK = {(7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
                            (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
                            (12, 0): 99 * 1024}
@@ -86,17 +67,15 @@ INTERPRETER_CAPABILITY = (8, 6)  # the interpreter (no GPU) chooses as the tight
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible: Tensor) -> Tensor:
-    """The kernel's semantics, by the book: the dense mask of tree.tree_attention_mask and SDPA."""
-    mask = tree_attention_mask(visible, prefix_len, k.size(2))
+    """The kernel's semantics, by the book: the dense mask of model.TreeMask and SDPA."""
+    mask = TreeMask(prefix_len, visible).dense(k.size(2))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.size(1) != k.size(1))
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible: Tensor,
                    n_splits: Optional[int] = None) -> Tensor:
-    """q [B, H, T, D]; k, v [B, KV, S, D] (the static cache, H a multiple of KV); prefix_len [B]
-    integer; visible [B, T, R] bool over the last R slots of the cache. Returns [B, H, T, D] in q's
-    dtype, softmax scale 1 / sqrt(D) as SDPA. A query that sees no slot at all gets zeros (as SDPA).
-    n_splits: the most shares the prefix is cut into; default from the launch (num_splits)."""
+    """q [B, H, T, D]; k, v [B, KV, S, D] (the static cache); prefix_len [B]; visible [B, T, R] over
+    the last R slots. Returns [B, H, T, D] as SDPA would; a query that sees nothing gets zeros."""
     _check(q, k, v, prefix_len, visible)
     B, H, T, D = q.shape
     KV, S, R = k.size(1), k.size(2), visible.size(-1)
@@ -109,9 +88,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible:
         n_splits = num_splits(B * KV * m_blocks, S - R)
     if n_splits < 1:
         raise ValueError(f"n_splits must be >= 1, got {n_splits}")
-    # Outputs are [B, T, H, D] in memory and handed back as [B, H, T, D] views: the caller's
-    # transpose(1, 2).reshape(B, T, H * D) is then free. With split-K the kernel writes each share's
-    # normalised partial output in float32 and its log-sum-exp, and _merge_kernel combines them.
+    # Outputs are [B, T, H, D] in memory, handed back as [B, H, T, D] views: the caller's
+    # transpose(1, 2).reshape(B, T, H * D) is then free. Split-K partials are float32.
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if n_splits == 1:
         partial, lse = out[None], torch.empty(1, B, T, H, dtype=torch.float32, device=q.device)
@@ -139,12 +117,9 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, visible:
 
 
 def launch_config(dtype: torch.dtype, rows: int, head_dim: int, shared_limit: int) -> dict:
-    """The kernel's launch constants for `rows` stacked query rows (G * T) of head_dim elements of
-    dtype, on a GPU whose blocks may use shared_limit bytes of shared memory: block_m, block_n,
-    block_d, num_warps, num_stages. The module's constants (16-bit or FP32_*) first; then, while
-    shared_bytes says they might not fit: smaller K/V blocks down to 32 slots, fewer stages, then
-    16 slots and fewer rows. A pure function of plain values: tree_attention() launches what it
-    returns, and the ahead-of-time checks compile what it returns for each GPU."""
+    """The launch constants for `rows` stacked query rows within shared_limit bytes: the module's
+    constants, shrunk while shared_bytes says they might not fit. A pure function, so the
+    ahead-of-time checks compile exactly what tree_attention() launches."""
     block_d = _pow2_at_least(head_dim)
     if dtype == torch.float32:
         block_m, block_n = min(FP32_MAX_BLOCK_M, _pow2_at_least(rows)), FP32_BLOCK_N
@@ -170,16 +145,14 @@ def launch_config(dtype: torch.dtype, rows: int, head_dim: int, shared_limit: in
 
 
 def shared_bytes(block_m: int, block_n: int, block_d: int, stages: int, elem: int) -> int:
-    """An upper bound on _tree_attention_kernel's shared memory: `stages` buffers of a K and a V
-    block, the query block, and a float32 [block_m, block_n] tile (scores on their way to the
-    second dot). tests/test_kernel_fit.py holds it against what Triton's compiler reports."""
+    """An upper bound on the kernel's shared memory (K/V stages, the query block, a float32 score
+    tile); tests/test_kernel_fit.py holds it against what Triton's compiler reports."""
     return stages * 2 * block_n * block_d * elem + block_m * block_d * elem + block_m * block_n * 4
 
 
 @torch.compiler.assume_constant_result
 def shared_memory_limit(device: torch.device) -> int:
-    """Bytes of shared memory one block may use on device (the opt-in maximum). A constant to
-    torch.compile: read when a graph is traced, never inside it."""
+    """Shared memory one block may use on device; a constant to torch.compile (read at tracing)."""
     if device.type != "cuda":  # Triton's interpreter
         return SHARED_MEMORY_PER_BLOCK[INTERPRETER_CAPABILITY]
     props = torch.cuda.get_device_properties(device)
@@ -188,10 +161,8 @@ def shared_memory_limit(device: torch.device) -> int:
 
 
 def num_splits(programs: int, prefix_slots: int) -> int:
-    """The most shares to cut the prefix into, from the launch: enough to bring `programs` (one
-    per batch row, KV head and query block) up to about TARGET_PROGRAMS, and no more than a full
-    cache of prefix_slots slots can fill with shares of MIN_SPLIT_SLOTS. How many of them get work
-    is decided on the device, from the live prefix length."""
+    """The most shares to cut the prefix into: enough to bring `programs` up to about TARGET_PROGRAMS,
+    no more than a full cache fills. Which get work is decided on the device, from the live prefix."""
     return max(1, min(TARGET_PROGRAMS // programs, -(-prefix_slots // MIN_SPLIT_SLOTS), MAX_SPLITS))
 
 
@@ -228,9 +199,8 @@ def _check(q, k, v, prefix_len, visible):
 @triton.jit
 def _prefix_share(PrefixLen, b, stride_p, S, R,
                   N_SPLITS: tl.constexpr, MIN_SHARE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(prefix_end, share): the live prefix of row b, never reaching into the region (a larger
-    prefix_len is clamped, as in the dense mask), and the slots of each split's share of it:
-    equal shares, at least MIN_SHARE, whole blocks. Both kernels derive the shares from this."""
+    """(prefix_end, share): row b's live prefix, clamped short of the region as the dense mask does,
+    and each split's share of it (at least MIN_SHARE, whole blocks). Both kernels use this."""
     prefix_end = tl.minimum(tl.load(PrefixLen + b * stride_p).to(tl.int32), S - R)
     share = tl.maximum(tl.cdiv(prefix_end, N_SPLITS), MIN_SHARE)
     return prefix_end, tl.cdiv(share, BLOCK_N) * BLOCK_N
@@ -303,9 +273,8 @@ def _tree_attention_kernel(
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, S - R + cols, col_ok,
                                     seen, d, d_ok, qk_scale)
 
-    # Normalise; a row that saw nothing (l = 0, m = -inf) gets zeros and lse = -inf. An empty share
-    # stores nothing: _merge_kernel knows it is empty and never reads it. (tl.where rather than
-    # row_ok & scalar: Triton's interpreter makes a mask it rejects of a vector & a scalar.)
+    # Normalise; a row that saw nothing gets zeros and lse = -inf. An empty share stores nothing (the
+    # merge never reads it). tl.where, since the interpreter rejects a mask of vector & scalar.
     store = tl.where((start < prefix_end) | last, row_ok, False)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -322,9 +291,8 @@ def _merge_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     N_SPLITS: tl.constexpr, MIN_SHARE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out = sum_j exp(lse_j - lse) * out_j over the non-empty shares j, lse = log sum_j exp(lse_j).
-    One program per block of BLOCK_R (node, head) rows of one batch row; partial [N_SPLITS, B,
-    ROWS, D], lse [N_SPLITS, B, ROWS] and out [B, ROWS, D] are contiguous in their last dims."""
+    """out = sum_j exp(lse_j - lse) * out_j over the non-empty shares j, lse = log sum_j exp(lse_j);
+    one program per BLOCK_R (node, head) rows of one batch row."""
     r_block, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS

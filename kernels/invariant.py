@@ -1,34 +1,21 @@
 """Batch-invariant kernels for CUDA: what --batch_invariant runs on a GPU.
 
-In batch-invariant mode (model.Transformer.invariant_window, generate.py --batch_invariant) a
-token's row of the target's logits must come out bit for bit the same from a one-token decode step
-and from a verify of T tree nodes, so that greedy speculative output equals plain decoding's in
-bf16 and fp16 too. On a CPU torch's own kernels do that where configured (model.invariant_attention,
-Inductor's C++ GEMM templates). On CUDA they do not: cuBLAS picks a GEMM kernel (tile shape,
-split-K) by the row count, and PyTorch's CUDA reductions (RMSNorm's mean, attention's softmax
-sums) split a row's reduction differently as the number of rows changes.
-The kernels here give every row one launch configuration whatever the row count, so a row's
-reduction order depends on nothing but the row:
+A token's row of the logits must come out bit for bit the same from a one-token step and from a
+verify (invariant.py). On CUDA, cuBLAS picks a GEMM kernel by the row count, and PyTorch's
+reductions split a row differently as the row count changes. These kernels give every row one
+launch configuration whatever the row count, so a row's reduction order depends on the row alone:
 
-    invariant_linear   x [M, K] @ w [N, K]^T (+ bias): fixed BLOCK_M/N/K for every M, K walked in
-                       order; a narrow layer's K in fixed ranges (split-K by the weight's shape),
-                       their float32 sums added in range order by a second launch (or by each
-                       tile's last range to finish: LINEAR_FOLD_SPLITS). w in x's dtype,
-                       or quantize.py's int8 (per-channel scales) or int4 (nibbles, group scales
-                       and zeros), dequantized tile by tile inside the K loop
+    invariant_linear   x @ w^T (+ bias): fixed blocks for every M, K walked in order; a narrow
+                       layer's K in fixed ranges (by the weight's shape), added in range order.
+                       w in x's dtype, int8 or int4, dequantized tile by tile inside the K loop
     rms_norm           one program per row
-    window_attention   one program per query: the old part of the cache in fixed chunks of slots
-                       from slot 0 (a program each, BLOCK_N-slot blocks inside), folded in chunk order,
-                       then the W + 1 recent positions in order (model.WindowMask)
+    window_attention   one program per query: the old part in fixed chunks from slot 0, folded in
+                       chunk order, then the W + 1 recent positions in order (invariant.WindowMask)
 
-Each is a torch custom op (eagle_gpt_fast::...), so a compiled graph neither fuses into it nor
-retiles it, and it launches without a host sync (a CUDA graph captures it). use_invariant_kernels
-swaps a target's linears and norms for them; model.attention sends a WindowMask on CUDA to
-window_attention. Split-K and the chunks were chosen on an H200 (scripts/tune_kernels.py, section
-invariant_step; benchmarks/README.md): a one-token step of SmolLM2-135M is bound by its launches'
-latency, and 9-24 programs walking all of K or the whole prefix left the GPU idle. The launches
-compile for sm_80/86/89/90 within each limit (tests/test_invariant_kernels.py). On a CPU the
-kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), as the tests do.
+Each is a torch custom op, so a compiled graph neither fuses into nor retiles it, and it launches
+without a host sync (a CUDA graph captures it). Split-K and the chunks keep a latency-bound step
+from leaving the GPU idle (benchmarks/RESULTS.md, "GPU"). On a CPU the kernels run in Triton's
+interpreter (TRITON_INTERPRET=1 at import), as the tests do.
 """
 import os
 from typing import Optional
@@ -36,41 +23,33 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor, nn
+from torch import Tensor
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
-# The linear's one launch configuration per dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-# num_stages). 16-bit inputs on tensor cores; float32 on FMA units ("ieee", no TF32) with the small
-# tiles that compiled without spills for int8_matmul.py's and tree_attention.py's float32 paths.
+# The linear's one launch configuration per dtype size: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages). float32 runs on FMA units ("ieee", no TF32) with small tiles that do not spill.
 LINEAR_CONFIG = {2: (32, 64, 64, 4, 3), 4: (16, 32, 32, 8, 2)}
-# Split-K for narrow layers. A one-token step is latency-bound: a 576-wide layer gives 9 programs at
-# BLOCK_N 64 to a GPU of 132 SMs, each walking all of K in turn. With LINEAR_SPLIT_PROGRAMS > 0 a
-# launch of fewer column blocks than that cuts K into ranges (linear_splits: by the weight's shape
-# alone, never by the row count, so a row's sums stay the same for any M) and a second launch adds
-# the ranges' float32 partial sums in range order. 0: one pass over K.
+# Split-K for narrow layers, which give a latency-bound step too few programs: a launch of fewer
+# column blocks than this cuts K into ranges (by the weight's shape alone, never the row count) and
+# a second launch adds their float32 sums in range order. 0: one pass over K.
 LINEAR_SPLIT_PROGRAMS = 132
-# Split-K in one launch instead of two: each range stores its float32 sums and counts itself in on
-# a counter per output tile; the tile's last range to arrive (whichever it is) adds all the ranges
-# in range order, as the second launch would (the same bits), and re-arms the counter. A step of a
-# small model is bound by its launches' count, and this removes one a linear. The publication
-# order rests on the GPU's memory model (a block barrier, then an acquire-release atomic at GPU
-# scope; the sums read past L1): proven in Triton's interpreter, which runs programs one after
-# another, and in the compiled PTX (tests/test_invariant_kernels.py), not yet run on a GPU, so off.
+# Split-K in one launch: each range stores its sums and counts itself in on a per-tile counter; the
+# tile's last range to arrive adds all ranges in order (the same bits as the second launch) and
+# re-arms the counter. Correct by the GPU's memory model (a block barrier, an acquire-release atomic
+# at GPU scope, sums read past L1), checked in the interpreter and the PTX; off until run on a GPU.
 LINEAR_FOLD_SPLITS = False
 FOLD_TILES = 4096  # counters a device keeps for it: a launch of more output tiles (a long prefill) takes two launches
-# A block's RMSNorm inside the linears it feeds (wqkv; w1 and w3): with FUSE_NORMS each of their
-# programs computes its rows' RMS itself (K in BLOCK_K steps, the same for any M) and normalises x
-# tile by tile as rms_norm would before the dot, and the norm launches nothing. Two launches fewer
-# a layer; the sums of squares are added in another order than rms_norm's, so the logits change in
-# the last bits (a verify's rows still equal the steps'). Read at every call: off until timed on a GPU.
+# With FUSE_NORMS the linears a norm feeds compute their rows' RMS themselves (the same order for
+# any M) and the norm launches nothing: two launches fewer a layer. The sums of squares are added in
+# another order than rms_norm's, so the logits change in the last bits (verifies still equal steps).
+# Read at every call; off until timed on a GPU.
 FUSE_NORMS = False
 ATTENTION_BLOCK_N = 64  # cache slots per block of window_attention's old part
 ATTENTION_WARPS = 4
-# Chunked attention for long prefixes (flash-decoding with a fixed chunk): with ATTENTION_CHUNK > 0
-# the old part is cut into chunks of this many slots from slot 0, one program each, whose partial
-# softmax sums a second launch folds in chunk order. The chunks are fixed by slot numbers, so a
-# query's sums do not depend on the other queries. 0: one program walks the whole old part.
+# Flash-decoding with a fixed chunk: the old part in chunks of this many slots from slot 0, one
+# program each, folded in chunk order by a second launch. Chunks are fixed by slot numbers, so a
+# query's sums do not depend on other queries. 0: one program walks the whole old part.
 ATTENTION_CHUNK = 128
 
 
@@ -80,9 +59,7 @@ def _check_device(*tensors: Tensor) -> None:
                          "TRITON_INTERPRET=1 before invariant_kernels is imported")
 
 
-# ---------------------------------------------------------------------------------------------
-# Linear
-# ---------------------------------------------------------------------------------------------
+# Linear.
 def linear_config(dtype: torch.dtype) -> dict:
     """The launch constants of invariant_linear for inputs of dtype: the same for every row count."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -94,17 +71,12 @@ def linear_config(dtype: torch.dtype) -> dict:
 @torch.library.custom_op("eagle_gpt_fast::invariant_linear", mutates_args=())
 def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
                      groupsize: int = 0, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0) -> Tensor:
-    """x [M, K] @ weight [N, K]^T + bias [N], in x's dtype (fp32 sums); row i of the result is the
-    same bits for any M. The weight is one of
+    """x [M, K] @ weight [N, K]^T + bias [N], in x's dtype (fp32 sums); row i is the same bits for any
+    M. The weight is one of
         x's dtype [N, K]                  scales None, groupsize 0
-        int8 [N, K]                       scales [N] (any float dtype): y = (x @ q^T) * scales + bias
-        uint8 [N, Kp / 2], int4 nibbles   scales = scales_and_zeros [Kp / groupsize, N, 2]: w = (q - 8)
-                                          * scale + zero per group, Kp = K padded to a whole group
-    (quantize.WeightOnlyInt8Linear's and WeightOnlyInt4Linear's, the latter's portable nibbles). A
-    quantized tile is dequantized to x's dtype in float32 inside the K loop (int8: exactly, its
-    scale applied to the float32 sum), so every row count reads the same values. With norm_weight
-    [K] (x's dtype) x is first RMS-normalised row by row, as rms_norm(x, norm_weight, norm_eps) but
-    inside the kernel (FUSE_NORMS)."""
+        int8 [N, K]                       scales [N]: y = (x @ q^T) * scales + bias
+        uint8 [N, Kp / 2], int4 nibbles   scales = scales_and_zeros [Kp / groupsize, N, 2]
+    dequantized inside the K loop. With norm_weight, x is first RMS-normalised as rms_norm would."""
     problem = _linear_problem(x, weight, bias, scales, groupsize, norm_weight)
     if problem:
         raise ValueError(f"invariant_linear wants {problem}")
@@ -169,8 +141,7 @@ SUM_BLOCK = 256  # columns per program of _split_sum_kernel
 
 
 def linear_splits(N: int, K: int, launch: dict) -> tuple:
-    """(ranges of K, columns of K in each) of a launch on an [N, K] weight: by the shape and the
-    launch constants only, so every row count gets the same ranges."""
+    """(ranges of K, columns in each) for an [N, K] weight: by shape only, the same for every M."""
     n_blocks, k_blocks = triton.cdiv(N, launch["BLOCK_N"]), triton.cdiv(K, launch["BLOCK_K"])
     if LINEAR_SPLIT_PROGRAMS <= 0 or n_blocks >= LINEAR_SPLIT_PROGRAMS:
         return 1, K
@@ -182,9 +153,8 @@ _TILE_COUNTERS = {}  # device -> int32 [FOLD_TILES], all zero between launches
 
 
 def tile_counters(device: torch.device) -> Tensor:
-    """The device's split-K tile counters. Made once and never freed or replaced: a captured CUDA
-    graph keeps their address. Each launch leaves them at zero, so launches in stream order share
-    them (this project runs one stream)."""
+    """The device's split-K tile counters, made once and never replaced (a captured CUDA graph keeps
+    their address). Each launch leaves them at zero, so launches in one stream share them."""
     device = torch.device(device)
     if device not in _TILE_COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -199,8 +169,7 @@ def _(x, weight, bias=None, scales=None, groupsize=0, norm_weight=None, norm_eps
     return x.new_empty(x.size(0), weight.size(0))
 
 
-# The kernels' QUANT (a constexpr): 0 weights in x's dtype, 8 int8 with per-channel scales (applied
-# to the float32 sums: S [N]), 4 int4 nibbles with GROUP-column scales and zeros (S [K / GROUP, N, 2]).
+# QUANT: 0 weights in x's dtype, 8 int8 (S [N], on the float32 sums), 4 int4 (S [K / GROUP, N, 2]).
 @triton.jit
 def _linear_kernel(X, W, S, Bias, NW, Y, M, N, K, stride_xm, stride_wn, stride_ym, eps, HAS_BIAS: tl.constexpr,
                    QUANT: tl.constexpr, GROUP: tl.constexpr, NORM: tl.constexpr,
@@ -249,8 +218,7 @@ def _dot_k_range(X, W, S, NW, rows, cols, M, N, K, k_lo, k_hi, stride_xm, stride
 
 @triton.jit
 def _inverse_rms(X, rows, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS(x[rows]) in float32: each row's squares summed a BLOCK_K tile at a time from k = 0,
-    the same order for any M (eps in float32, as model.RMSNorm adds it)."""
+    """1 / RMS(x[rows]) in float32, squares summed a tile at a time from k = 0 (the same for any M)."""
     ks = tl.arange(0, BLOCK_K)
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -262,8 +230,7 @@ def _inverse_rms(X, rows, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: 
 
 @triton.jit
 def _int4_tile(W, S, cols, k, live, N, stride_wn, GROUP: tl.constexpr):
-    """w^T[k, cols] of int4 nibbles (two a byte, the even column in the high nibble) in float32:
-    (q - 8) * scale + zero with the scale and zero of k's group, S [K / GROUP, N, 2]."""
+    """w^T[k, cols] of int4 nibbles (even column high) in float32: (q - 8) * scale + zero of k's group."""
     byte = tl.load(W + cols[None, :] * stride_wn + k[:, None] // 2, mask=live, other=0).to(tl.int32)
     q = (byte >> ((1 - k[:, None] % 2) * 4)) & 15
     sz = S + ((k[:, None] // GROUP) * N + cols[None, :]) * 2
@@ -276,9 +243,8 @@ def _int4_tile(W, S, cols, k, live, N, stride_wn, GROUP: tl.constexpr):
 def _linear_partial_kernel(X, W, S, Bias, NW, P, Y, Counts, M, N, K, K_PER, SPLITS, stride_xm, stride_wn, stride_ym,
                            eps, FOLD: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                            NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Split-K, first launch: program (n, m, s) sums K range s (K_PER columns from s * K_PER) into
-    P[s] [M, N], float32 (int8 weights unscaled). FOLD: then the tile's last range to arrive adds
-    the ranges into Y itself (LINEAR_FOLD_SPLITS); otherwise _split_sum_kernel does, next."""
+    """Split-K, first launch: program (n, m, s) sums K range s into P[s] in float32. FOLD: the tile's
+    last range to arrive then adds the ranges into Y; otherwise _split_sum_kernel does."""
     n_block, m_block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -302,9 +268,8 @@ def _linear_partial_kernel(X, W, S, Bias, NW, P, Y, Counts, M, N, K, K_PER, SPLI
 
 @triton.jit
 def _add_ranges(P, S, Bias, rows, cols, live, cols_live, M, N, SPLITS, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
-    """P[0] + P[1] + ... of P [SPLITS, M, N] at rows (int64) and cols, in that order (times an int8
-    weight's scales S, + bias), float32. The loads go to L2 (.cg): a range summed on another SM is
-    not in this one's L1."""
+    """P[0] + P[1] + ... in that order, scaled and biased. Loads go to L2 (.cg): a range summed on
+    another SM is not in this one's L1."""
     acc = tl.load(P + rows * N + cols, mask=live, other=0.0, cache_modifier=".cg")
     for s in range(1, SPLITS):
         acc += tl.load(P + (s * M + rows) * N + cols, mask=live, other=0.0, cache_modifier=".cg")
@@ -324,8 +289,7 @@ def _scale_and_bias(acc, S, Bias, cols, cols_live, SCALED: tl.constexpr, HAS_BIA
 @triton.jit
 def _split_sum_kernel(P, S, Bias, Y, M, N, stride_ym, SPLITS, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """Split-K, second launch: one row's BLOCK columns, the ranges added in order (_add_ranges),
-    cast to Y's dtype."""
+    """Split-K, second launch: one row's BLOCK columns, the ranges added in order."""
     row = tl.program_id(0).to(tl.int64)  # rows on the grid's first axis: a prefill's M may pass 65,535
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -333,13 +297,10 @@ def _split_sum_kernel(P, S, Bias, Y, M, N, stride_ym, SPLITS, HAS_BIAS: tl.const
     tl.store(Y + row * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-# ---------------------------------------------------------------------------------------------
-# RMSNorm
-# ---------------------------------------------------------------------------------------------
+# RMSNorm.
 @torch.library.custom_op("eagle_gpt_fast::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """model.RMSNorm's arithmetic, one program per row of x [M, N]: normalise in float32, cast to
-    x's dtype, times weight [N]."""
+    """model.RMSNorm's arithmetic, one program per row: normalise in float32, cast, times weight."""
     if x.dim() != 2 or weight.shape != (x.size(1),):
         raise ValueError(f"rms_norm wants x [M, N] and weight [N], got {tuple(x.shape)}, {tuple(weight.shape)}")
     _check_device(x, weight)
@@ -369,13 +330,9 @@ def _rms_norm_kernel(X, W, Y, N, stride_x, stride_y, eps, BLOCK: tl.constexpr):
     tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
-# ---------------------------------------------------------------------------------------------
-# Attention over a WindowMask
-# ---------------------------------------------------------------------------------------------
+# Attention over a WindowMask.
 def window_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-    """model.invariant_attention's semantics on CUDA: q [B, H, T, D]; k, v the whole cache
-    [B, KV, S, D]; mask a model.WindowMask (old_end [B, T], recent_slots and recent_ok [B, T, W + 1]).
-    Returns [B, H, T, D] in q's dtype."""
+    """invariant.invariant_attention's semantics on CUDA: q [B, H, T, D]; k, v the whole cache."""
     return _window_attention(q, k, v, mask.old_end, mask.recent_slots, mask.recent_ok)
 
 
@@ -426,8 +383,7 @@ def _(q, k, v, old_end, recent_slots, recent_ok):
 
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots, ok, d, d_ok, sm_scale):
-    """Scores of one block of slots in float32 (products summed over head_dim), folded into the
-    running maximum m_i, sum l_i and output acc."""
+    """One block of slots' float32 scores folded into the running max m_i, sum l_i and output acc."""
     kv_mask = ok[:, None] & d_ok[None, :]
     k = tl.load(K_base + slots[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
     s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))
@@ -445,10 +401,8 @@ def _window_chunk_kernel(
     stride_eb, stride_et, G, T, H, NC, NP, sm_scale,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """ATTENTION_CHUNK > 0, first launch: program (query, head, batch row x chunk c) folds the old
-    part's slots [c * CHUNK, (c + 1) * CHUNK) below old_end, block by block, into a partial: acc at
-    PartAcc[i], running max at PartML[i], sum at PartML[NP + i], i the index of (b, t, h, c) among NP
-    (B, T, H, NC); a chunk past old_end writes an empty partial, which the second launch never reads."""
+    """Chunked, first launch: program (query, head, batch row x chunk c) folds chunk c's slots below
+    old_end into a partial (acc, max, sum); a chunk past old_end's partial is never read."""
     t, h, bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, c = (bc // NC).to(tl.int64), bc % NC
     sm_scale = tl.cast(sm_scale, tl.float32)  # a compiled graph passes it as fp64 (tree_attention.py: why)
@@ -490,9 +444,8 @@ def _window_attention_kernel(
     G, W1, sm_scale, T, H, NC, NP,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program per (query, head, batch row): the old part (slots < old_end, in place), block by
-    block from slot 0 (CHUNK > 0: the chunks' partials, in chunk order), then the W + 1 recent
-    positions in their order; every step depends on the query's own position only."""
+    """One program per (query, head, batch row): the old part from slot 0 (or the chunks' partials in
+    order), then the W + 1 recent positions in order; every step depends on the query's position only."""
     t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     sm_scale = tl.cast(sm_scale, tl.float32)  # a compiled graph passes it as fp64 (tree_attention.py: why)
     kv = h // G
@@ -523,90 +476,3 @@ def _window_attention_kernel(
     acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, slots, ok, d, d_ok,
                                          sm_scale)
     tl.store(Out + b * stride_ob + h * stride_oh + t * stride_ot + d, (acc / l_i).to(Out.dtype.element_ty), mask=d_ok)
-
-
-# ---------------------------------------------------------------------------------------------
-# The model's layers on these kernels
-# ---------------------------------------------------------------------------------------------
-class InvariantLinear(nn.Module):
-    """nn.Linear, quantize.WeightOnlyInt8Linear or WeightOnlyInt4Linear through invariant_linear, on
-    the layer's own tensors (tied weights stay tied, state-dict keys are the layer's), except that an
-    int4 layer's weight here is its portable nibbles (the file's form; pack() keeps them on CUDA),
-    not the packing of torch's int4 kernel."""
-
-    def __init__(self, linear: nn.Module):
-        from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-        super().__init__()
-        # the InvariantRMSNorm that feeds this layer (use_invariant_kernels sets it), computed inside
-        # the kernel while FUSE_NORMS: a plain reference, not a submodule, so that its weight keeps
-        # its one place (and state-dict key) in the block
-        self.__dict__["norm"] = None
-        self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, linear.bias
-        self.groupsize = 0
-        if isinstance(linear, WeightOnlyInt8Linear):
-            self.register_buffer("weight", linear.weight)
-            self.register_buffer("scales", linear.scales)
-        elif isinstance(linear, WeightOnlyInt4Linear):
-            nibbles = linear.weight if linear.packed_for is None else getattr(linear, "nibbles", None)
-            if nibbles is None:
-                raise ValueError(f"an int4 layer packed for {linear.packed_for} keeps no nibbles for the "
-                                 "batch-invariant kernels: switch the mode on before quantize.pack_int4, or on CUDA")
-            self.register_buffer("weight", nibbles)
-            self.register_buffer("scales_and_zeros", linear.scales_and_zeros)
-            self.groupsize = linear.groupsize
-        else:
-            self.weight, self.scales = linear.weight, None
-
-    def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        fused = self.norm is not None and FUSE_NORMS
-        norm_weight, eps = (self.norm.weight, self.norm.eps) if fused else (None, 0.0)
-        if self.groupsize:  # int4: the nibbles may hold padding rows (to a multiple of 16), cut here
-            y = invariant_linear(x2, self.weight, None, self.scales_and_zeros, self.groupsize,
-                                 norm_weight, eps)[:, :self.out_features]
-            y = y if self.bias is None else y + self.bias
-        else:
-            y = invariant_linear(x2, self.weight, self.bias, self.scales, 0, norm_weight, eps)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
-class InvariantRMSNorm(nn.Module):
-    """model.RMSNorm through rms_norm; the same weight tensor. A norm whose output only linears
-    read (fused_into_linears, set by use_invariant_kernels) passes x on unchanged while FUSE_NORMS:
-    those linears normalise it themselves."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.eps, self.weight = norm.eps, norm.weight
-        self.fused_into_linears = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fused_into_linears and FUSE_NORMS:
-            return x
-        return rms_norm(x.reshape(-1, x.size(-1)), self.weight, self.eps).view(x.shape)
-
-
-def use_invariant_kernels(model: nn.Module) -> nn.Module:
-    """Swap the target's linears (nn.Linear, int8 and int4) and RMSNorm modules for InvariantLinear
-    and InvariantRMSNorm (in place; state-dict keys and tied weights are unchanged).
-    Each block's two norms feed only linears (attention_norm wqkv, ffn_norm w1 and w3), which
-    then normalise their input themselves while FUSE_NORMS. Mixture-of-experts layers have no
-    invariant CUDA path: a clear error."""
-    from model import FeedForward, RMSNorm, TransformerBlock  # here: model.py imports this module lazily
-    from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-    if model.config.num_experts:
-        raise ValueError("batch-invariant mode on CUDA has no kernel for mixture-of-experts layers")
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear or isinstance(child, (WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
-                setattr(parent, name, InvariantLinear(child))
-            elif isinstance(child, RMSNorm):
-                setattr(parent, name, InvariantRMSNorm(child))
-    for block in model.modules():
-        if isinstance(block, TransformerBlock) and type(block.feed_forward) is FeedForward:
-            for norm, linears in ((block.attention_norm, [block.attention.wqkv]),
-                                  (block.ffn_norm, [block.feed_forward.w1, block.feed_forward.w3])):
-                norm.fused_into_linears = True
-                for linear in linears:
-                    linear.__dict__["norm"] = norm
-    return model

@@ -2,8 +2,8 @@
 forward and LM head), verify, accept, compaction, bookkeeping and the rest (Python and framework
 overhead), next to one vanilla decode step in the same dtype and mode.
 
-    python scripts/profile_round.py --speculate eagle3 --dtype bfloat16 --tree_tokens 16 \\
-        --out benchmarks/profile_round-SmolLM2-135M-Instruct-cpu-bf16
+    python research/profile_round.py --speculate eagle3 --dtype bfloat16 --tree_tokens 16 \\
+        --out /tmp/profile_round-cpu-bf16
 
 Eager: torch.profiler over --rounds rounds, each phase of Speculator.round (and each draft
 forward and LM-head pass inside the tree growth) labelled with record_function; a label's time is
@@ -26,51 +26,55 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import compiling  # noqa: E402
+import defaults  # noqa: E402
 import generate as gen  # noqa: E402
+import invariant  # noqa: E402
 import speculative  # noqa: E402
-from benchmark import hardware_name  # noqa: E402  (scripts/ is on the path: this file's folder)
+from autoshape import cpu_name  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
-from model import pack_linears  # noqa: E402
+from cpu import pack_linears  # noqa: E402
+from quantize import mode_from_path  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
            "What are the pros and cons of electric cars?", "How do I make a good cup of tea?"]
 PHASES = ("catch_up", "grow", "verify", "accept", "compact", "advance")
+DEPTH = {"eagle2": 6, "eagle3": defaults.EAGLE3_DEPTH}  # the papers' tree depths
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="default: eagle/ (eagle, eagle2) or eagle3/ (eagle3) beside the checkpoint")
-    p.add_argument("--speculate", choices=["eagle2", "eagle3"], default="eagle3")
+                   help="default: eagle/ (eagle2) or eagle3/ (eagle3) beside the checkpoint")
+    p.add_argument("--speculate", choices=sorted(DEPTH), default="eagle3")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default=None,
-                   help="eagle3: the head's dtype (default: --dtype), as generate.py --draft_dtype")
+                   help="eagle3: the head's dtype (default: --dtype)")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--batch_invariant", action="store_true", help="the target in batch-invariant mode (generate.py's)")
+    p.add_argument("--batch_invariant", action="store_true", help="the target in batch-invariant mode")
     p.add_argument("--tree_top_k", type=int, default=10)
     p.add_argument("--tree_depth", type=int, default=None, help="default: 6 for eagle2, 8 for eagle3")
     p.add_argument("--tree_tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=24)
     p.add_argument("--context", type=int, default=512,
-                   help="tokens the caches hold (compiled attention reads all of them): an MT-bench turn of "
-                        "128 new tokens needs about 300-500")
+                   help="tokens the caches hold (compiled attention reads all of them)")
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = p.parse_args(argv)
     if args.draft_dtype is not None and args.speculate != "eagle3":
         p.error("--draft_dtype sets the dtype of an EAGLE-3 head; EAGLE-1/2 heads use the target's LM head")
     args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / gen.SPECULATE[
         args.speculate]["folder"]
-    args.tree_depth = args.tree_depth or gen.SPECULATE[args.speculate]["depth"]
+    args.tree_depth = args.tree_depth or DEPTH[args.speculate]
     if args.batch_invariant:
-        problem = gen.batch_invariant_problem("cpu", args.dtype, args.compile, args.checkpoint_path)
+        problem = invariant.problem("cpu", args.dtype, args.compile, mode_from_path(args.checkpoint_path)[0], False)
         if problem:
             p.error(problem)
     return args
 
 
-def make_speculator(args, model, draft, tokenizer):
+def make_speculator(args, model, draft):
     spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
                                   tree_tokens=args.tree_tokens, stop_ids=())  # no stop: rounds keep coming
     spec.setup(1, args.context)
@@ -97,87 +101,18 @@ def rounds_from(spec, tokenizer, n, round_fn, before=None):
 
 
 @torch.no_grad()
-def vanilla_step_seconds(model, decode_fn, context: int, n=20) -> float:
+def vanilla_step_seconds(model, step, prompt, context: int, n=20) -> float:
+    """The median time of n decode steps `step` (generate.decode_one_token's signature) after prompt."""
     model.setup_caches(1, context)
-    token = gen.prefill(model, prompt_ids_cache["probe"], 0.0, None, None)
-    pos = torch.tensor([prompt_ids_cache["probe"].size(1)])
+    token = gen.prefill(model, prompt, 0.0, None, None)
+    pos = torch.tensor([prompt.size(1)])
     times = []
     for _ in range(n + 3):
         t = time.perf_counter()
-        token = decode_fn(model, token.clone(), pos, 0.0, None, None)
+        token = step(model, token.clone(), pos, 0.0, None, None)
         times.append(time.perf_counter() - t)
         pos += 1
     return statistics.median(times[3:])
-
-
-prompt_ids_cache = {}
-
-
-@torch.no_grad()
-def profile_eager(args, model, draft, tokenizer) -> dict:
-    spec = make_speculator(args, model, draft, tokenizer)
-    level = {"n": 0}
-    for name in PHASES:
-        if name == "accept":
-            continue
-        method = getattr(spec, name)
-        setattr(spec, name, labelled(name, method))
-    accept = speculative.accept
-    speculative.accept = labelled("accept", accept)
-    draft_forward, draft_log_probs = draft.forward, draft.log_probs
-
-    def forward(*a, **k):  # the first draft forward of a round is the catch-up's
-        with torch.profiler.record_function(f"draft forward {level['n']}"):
-            level["n"] += 1
-            return draft_forward(*a, **k)
-
-    def log_probs(*a, **k):
-        with torch.profiler.record_function("draft LM head"):
-            return draft_log_probs(*a, **k)
-
-    draft.forward, draft.log_probs = forward, log_probs
-    try:
-        rounds_from(spec, tokenizer, 4, spec.round, lambda: level.update(n=0))  # warm-up
-        with torch.profiler.profile() as prof:
-            with torch.profiler.record_function("round"):
-                pass
-            seconds = rounds_from(spec, tokenizer, args.rounds,
-                                  labelled("round", spec.round), lambda: level.update(n=0))
-    finally:
-        speculative.accept = accept
-        del draft.forward, draft.log_probs
-    events = {e.key: e for e in prof.key_averages()}
-    n = args.rounds
-
-    def ms(key, attr="cpu_time_total"):
-        e = events.get(key)
-        return getattr(e, attr) / 1e3 / n if e is not None else 0.0
-
-    rows = [dict(part="catch-up (draft forward over the accepted tokens)", ms=ms("catch_up"), self_ms=ms("catch_up", "self_cpu_time_total"))]
-    for d in range(1, args.tree_depth):
-        rows.append(dict(part=f"tree level {d}: draft forward over {args.tree_top_k} nodes",
-                         ms=ms(f"draft forward {d}"), self_ms=ms(f"draft forward {d}", "self_cpu_time_total")))
-    heads = ms("draft LM head")
-    rows.append(dict(part=f"draft LM heads ({args.tree_depth} passes, all levels)", ms=heads,
-                     self_ms=ms("draft LM head", "self_cpu_time_total")))
-    forwards = sum(ms(f"draft forward {d}") for d in range(1, args.tree_depth))
-    rows.append(dict(part="tree growth, the rest (top-k, scores, masks, rerank, tree tensors)",
-                     ms=ms("grow") - forwards - heads, self_ms=None))
-    rows.append(dict(part="tree growth, total (the rows above from level 1)", ms=ms("grow"),
-                     self_ms=ms("grow", "self_cpu_time_total")))
-    rows.append(dict(part=f"verify: target forward over {args.tree_tokens} tree tokens", ms=ms("verify"),
-                     self_ms=ms("verify", "self_cpu_time_total")))
-    for part, key in (("accept", "accept"), ("compaction (K/V of accepted nodes)", "compact"),
-                      ("bookkeeping (new tokens, state)", "advance")):
-        rows.append(dict(part=part, ms=ms(key), self_ms=ms(key, "self_cpu_time_total")))
-    total = statistics.mean(seconds) * 1e3
-    rows.append(dict(part="between the phases (Python)", ms=total - sum(ms(p) for p in PHASES), self_ms=None))
-    ops = sorted((e for e in prof.key_averages() if not e.key.startswith(("draft ", "round", *PHASES))),
-                 key=lambda e: -e.self_cpu_time_total)[:12]
-    return dict(round_ms=total, rows=rows,
-                top_ops=[dict(op=e.key, self_ms=e.self_cpu_time_total / 1e3 / n, calls=e.count / n) for e in ops],
-                dispatched_ops_per_round=sum(e.count for e in prof.key_averages()
-                                             if e.key.startswith("aten::")) / n)
 
 
 def labelled(name, fn):
@@ -188,28 +123,85 @@ def labelled(name, fn):
 
 
 @torch.no_grad()
+def profile_eager(args, model, draft, tokenizer) -> dict:
+    spec = make_speculator(args, model, draft)
+    level = {"n": 0}
+    for name in PHASES:
+        if name != "accept":  # a function of speculative.py, not a method: patched there below
+            setattr(spec, name, labelled(name, getattr(spec, name)))
+    accept = speculative.accept
+    speculative.accept = labelled("accept", accept)
+    draft_forward, draft_log_probs = draft.forward, draft.log_probs
+
+    def forward(*a, **k):  # the first draft forward of a round is the catch-up's
+        with torch.profiler.record_function(f"draft forward {level['n']}"):
+            level["n"] += 1
+            return draft_forward(*a, **k)
+
+    draft.forward, draft.log_probs = forward, labelled("draft LM head", draft_log_probs)
+    try:
+        rounds_from(spec, tokenizer, 4, spec.round, lambda: level.update(n=0))  # warm-up
+        with torch.profiler.profile() as prof:
+            seconds = rounds_from(spec, tokenizer, args.rounds, labelled("round", spec.round),
+                                  lambda: level.update(n=0))
+    finally:
+        speculative.accept = accept
+        del draft.forward, draft.log_probs
+    events = {e.key: e for e in prof.key_averages()}
+    n = args.rounds
+
+    def ms(key, attr="cpu_time_total"):
+        e = events.get(key)
+        return getattr(e, attr) / 1e3 / n if e is not None else 0.0
+
+    def row(part, key=None):
+        return dict(part=part, ms=ms(key), self_ms=ms(key, "self_cpu_time_total"))
+
+    rows = [row("catch-up (draft forward over the accepted tokens)", "catch_up")]
+    rows += [row(f"tree level {d}: draft forward over {args.tree_top_k} nodes", f"draft forward {d}")
+             for d in range(1, args.tree_depth)]
+    heads = ms("draft LM head")
+    rows.append(row(f"draft LM heads ({args.tree_depth} passes, all levels)", "draft LM head"))
+    forwards = sum(ms(f"draft forward {d}") for d in range(1, args.tree_depth))
+    rows.append(dict(part="tree growth, the rest (top-k, scores, masks, rerank, tree tensors)",
+                     ms=ms("grow") - forwards - heads, self_ms=None))
+    rows.append(row("tree growth, total (the rows above from level 1)", "grow"))
+    rows.append(row(f"verify: target forward over {args.tree_tokens} tree tokens", "verify"))
+    rows += [row(part, key) for part, key in (("accept", "accept"), ("compaction (K/V of accepted nodes)", "compact"),
+                                              ("bookkeeping (new tokens, state)", "advance"))]
+    total = statistics.mean(seconds) * 1e3
+    rows.append(dict(part="between the phases (Python)", ms=total - sum(ms(p) for p in PHASES), self_ms=None))
+    ops = sorted((e for e in prof.key_averages() if not e.key.startswith(("draft ", "round", *PHASES))),
+                 key=lambda e: -e.self_cpu_time_total)[:12]
+    return dict(round_ms=total, rows=rows,
+                top_ops=[dict(op=e.key, self_ms=e.self_cpu_time_total / 1e3 / n, calls=e.count / n) for e in ops],
+                dispatched_ops_per_round=sum(e.count for e in prof.key_averages()
+                                             if e.key.startswith("aten::")) / n)
+
+
+@torch.no_grad()
 def profile_compiled(args, model, draft, tokenizer) -> dict:
     """The compiled round (one graph), and each phase compiled as a graph of its own and timed in
     a phased round (each phase's time includes the call of its graph: a little above its share of
-    the one-graph round). Compiled as generate.py compiles (speculative.compile_function: on a CPU,
+    the one-graph round). Compiled as generate.py compiles (compiling.compile_function: on a CPU,
     frozen weights and C++ GEMM templates)."""
-    spec = make_speculator(args, model, draft, tokenizer)
+    spec = make_speculator(args, model, draft)
+
+    def compiled(fn):
+        return compiling.compile_function(fn, "cpu", (model, draft), options=compiling.ROUND_OPTIONS)
+
     t = time.perf_counter()
-    whole = speculative.compile_function(torch._dynamo.dont_skip_tracing(spec.round), "cpu", (model, draft),
-                                         options=speculative.ROUND_OPTIONS)
+    whole = compiled(spec.round)
     rounds_from(spec, tokenizer, 2, whole)
     compile_s = time.perf_counter() - t
     round_ms = statistics.median(rounds_from(spec, tokenizer, args.rounds, whole)) * 1e3
-
-    def phase(fn):
-        return speculative.compile_function(torch._dynamo.dont_skip_tracing(fn), "cpu", (model, draft),
-                                            options=speculative.ROUND_OPTIONS)
 
     def rest(tree, logits, features):
         node, n_accepted, bonus = speculative.accept(tree, logits, *spec.sampling)
         spec.advance(tree, spec.compact(tree, node), n_accepted, bonus, features)
 
-    parts = dict(catch_up=phase(spec.catch_up), grow=phase(spec.grow), verify=phase(spec.verify), rest=phase(rest))
+    parts = dict(catch_up=compiled(spec.catch_up), grow=compiled(spec.grow), verify=compiled(spec.verify),
+                 rest=compiled(rest))
     seconds = {name: [] for name in parts}
 
     def phased():
@@ -221,7 +213,7 @@ def profile_compiled(args, model, draft, tokenizer) -> dict:
         tree = timed("grow", timed("catch_up"))
         timed("rest", tree, *timed("verify", tree))
 
-    rounds_from(spec, tokenizer, 2, phased)
+    rounds_from(spec, tokenizer, 2, phased)  # compiles each phase
     for times in seconds.values():
         times.clear()
     rounds_from(spec, tokenizer, args.rounds, phased)
@@ -234,26 +226,25 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint_path, "cpu", dtype)
     if args.batch_invariant:
-        gen.set_batch_invariant(model)
+        invariant.enable(model)
     draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
-    if not args.compile:  # as generate.make_decoder runs eager mode: half-precision weights prepacked for oneDNN
+    if not args.compile:  # as generate.py runs eager mode: half-precision weights prepacked for oneDNN
         pack_linears(model)
         pack_linears(draft)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
-    prompt_ids_cache["probe"] = prompt_ids(tokenizer, 0)
-    report = dict(command="python scripts/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=hardware_name("cpu"),
+    probe = prompt_ids(tokenizer, 0)
+    report = dict(command="python research/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=cpu_name(),
                   torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
-                  batch_invariant=args.batch_invariant,
-                  draft_dtype=args.draft_dtype or args.dtype,
+                  batch_invariant=args.batch_invariant, draft_dtype=args.draft_dtype or args.dtype,
                   speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
                                                       tokens=args.tree_tokens))
-    report["vanilla_step_ms_eager"] = vanilla_step_seconds(model, gen.decode_one_token, args.context) * 1e3
+    report["vanilla_step_ms_eager"] = vanilla_step_seconds(model, gen.decode_one_token, probe, args.context) * 1e3
     report["eager"] = profile_eager(args, model, draft, tokenizer)
     if args.compile:
-        gen.compile_decoding("cpu", False, model)
-        report["vanilla_step_ms_compiled"] = vanilla_step_seconds(model, gen.decode_one_token, args.context) * 1e3
+        step = compiling.compile_step(gen.decode_one_token, "cpu", model)
+        report["vanilla_step_ms_compiled"] = vanilla_step_seconds(model, step, probe, args.context) * 1e3
         report["compiled"] = profile_compiled(args, model, draft, tokenizer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(str(args.out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -263,14 +254,12 @@ def main(argv=None):
 
 def markdown(report) -> str:
     step = report["vanilla_step_ms_eager"]
-    e = report["eager"]
-    lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} (draft "
-             f"{report.get('draft_dtype', report['dtype'])}, {report['threads']} threads, "
-             f"torch {report['torch']}{', batch-invariant target' if report.get('batch_invariant') else ''})", "", f"- command: `{report['command']}`",
-             f"- hardware: {report.get('hardware', 'not recorded')}; "
-             f"date {report.get('date', 'not recorded')}",
-             f"- tree: top_k {report['tree']['top_k']}, depth {report['tree']['depth']}, "
-             f"{report['tree']['tokens']} tokens", "",
+    e, tree = report["eager"], report["tree"]
+    lines = [f"# One speculative round, {report['speculate']}, {report['dtype']} (draft {report['draft_dtype']}, "
+             f"{report['threads']} threads, torch {report['torch']}"
+             f"{', batch-invariant target' if report['batch_invariant'] else ''})", "",
+             f"- command: `{report['command']}`", f"- hardware: {report['hardware']}; date {report['date']}",
+             f"- tree: top_k {tree['top_k']}, depth {tree['depth']}, {tree['tokens']} tokens", "",
              f"Eager: a vanilla step {step:.1f} ms; a round {e['round_ms']:.1f} ms = {e['round_ms'] / step:.2f} steps, "
              f"{e['dispatched_ops_per_round']:.0f} aten calls.", "",
              "| part | ms per round | in vanilla steps | of which outside any operator (ms) |", "|---|---|---|---|"]
@@ -285,13 +274,12 @@ def markdown(report) -> str:
                       f"{c['round_ms'] / cstep:.2f} compiled steps (compilation {c['compile_s']:.0f} s). "
                       "Each phase compiled on its own:", "",
                   "| phase | ms per round | in compiled vanilla steps |", "|---|---|---|"]
-        names = dict(catch_up="catch-up", grow=f"tree growth (depth {report['tree']['depth']}, top-k "
-                                                f"{report['tree']['top_k']})",
-                     verify=f"verify ({report['tree']['tokens']} tokens)", rest="accept, compaction, bookkeeping")
+        names = dict(catch_up="catch-up", grow=f"tree growth (depth {tree['depth']}, top-k {tree['top_k']})",
+                     verify=f"verify ({tree['tokens']} tokens)", rest="accept, compaction, bookkeeping")
         for name, ms in c["phases_ms"].items():
             lines.append(f"| {names[name]} | {ms:.2f} | {ms / cstep:.3f} |")
-        lines.append(f"| sum of the phases | {sum(c['phases_ms'].values()):.2f} | "
-                     f"{sum(c['phases_ms'].values()) / cstep:.3f} |")
+        total = sum(c["phases_ms"].values())
+        lines.append(f"| sum of the phases | {total:.2f} | {total / cstep:.3f} |")
     return "\n".join(lines) + "\n"
 
 

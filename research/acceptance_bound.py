@@ -1,8 +1,8 @@
 """The most tokens a round could accept at a temperature, whatever the draft: the τ of a perfect
 draft, as a ceiling for a head's measured τ.
 
-    python scripts/acceptance_bound.py --num_questions 16 --max_new_tokens 128 --temperature 1 --stride 16 \\
-        --out benchmarks/acceptance_bound-SmolLM2-135M-Instruct-t1
+    python research/acceptance_bound.py --num_questions 16 --max_new_tokens 128 --temperature 1 --stride 16 \\
+        --out /tmp/acceptance_bound-t1
 
 At T > 0 a round accepts its guesses by speculative.accept's walk, in which each step emits exactly
 a sample of the target. So what a round with tree S accepts is distributed as the longest prefix of
@@ -22,8 +22,8 @@ Contexts: vanilla sampled answers (at --temperature, --seed) to MT-bench's turns
 scripts/benchmark.py asks them (turn 2 follows the turn-1 answer); a round is taken to start after
 every --stride-th answer token. These are averages over positions; a measured τ averages over
 rounds, and rounds are denser where guesses fail (a round that accepts little is soon followed by
-the next), so a measured τ sits below the same head's average over positions (by about 10 % for the
-EAGLE-3 head at T=1: benchmarks/README.md). Compare heads with bounds here, on the same contexts.
+the next), so a measured τ sits below the same head's average over positions. Compare heads with
+bounds here, on the same contexts.
 Writes OUT.json and OUT.md.
 
 With --head, also the τ a head's tree (the restricted bound's shape) has on the same contexts on
@@ -41,17 +41,20 @@ from typing import Optional
 
 import torch
 
+from tqdm import tqdm
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import generate as gen  # noqa: E402
-# scripts/ is on the path (this file's folder)
-from benchmark import DEFAULT_QUESTIONS, conversation, hardware_name, load_questions  # noqa: E402
-from checkpoint import load_model  # noqa: E402
+from autoshape import cpu_name  # noqa: E402
+from benchmark import DEFAULT_QUESTIONS, conversation, load_questions  # noqa: E402  (MT-bench as benchmark.py asks it)
+from checkpoint import load_draft, load_model  # noqa: E402
 from model import Transformer, TreeMask  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
 from speculative import Speculator  # noqa: E402
-from tree import tree_structure  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+from trees import tree_structure  # noqa: E402
 
 
 @torch.no_grad()
@@ -171,11 +174,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    from tqdm import tqdm
-
-    from checkpoint import load_draft
-    from tokenizer import load_tokenizer
-
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     model = load_model(args.checkpoint_path, "cpu", torch.float32)
@@ -240,8 +238,8 @@ def summarise(args, argv, rows, sizes, restricted_size, seconds) -> dict:
             by_category[cat]["head_" + restricted.removeprefix("tau_max_")] = mean(lambda r: r["head"], mine)
         by_category[cat]["first_guess_accepted"] = mean(lambda r: r["first_guess"], mine)
     return dict(
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), hardware=hardware_name("cpu"), torch=torch.__version__,
-        command="python scripts/acceptance_bound.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), hardware=cpu_name(), torch=torch.__version__,
+        command="python research/acceptance_bound.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         checkpoint=str(args.checkpoint_path), head=None if args.head is None else str(args.head),
         temperature=args.temperature, num_questions=args.num_questions,
         max_new_tokens=args.max_new_tokens, stride=args.stride, seed=args.seed, seconds=round(seconds, 1),

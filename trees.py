@@ -150,15 +150,6 @@ def rerank(pool_scores: Tensor, pool_parents: Tensor, n_keep: int):
     return keep, torch.cat([root, parents], dim=1)
 
 
-def tree_attention_mask(visible: Tensor, prefix_len: Tensor, cache_len: int) -> Tensor:
-    """Attention mask [B, n, cache_len] for n queries when the last R slots of a cache of cache_len
-    slots are its tree region. visible [B, n, R]: the region slots each query sees (for the target's
-    verify, R = T and visible = ancestors); every query also sees the prefix, slots < prefix_len."""
-    B, n, R = visible.shape
-    prefix = torch.arange(cache_len - R, device=visible.device) < prefix_len[:, None]  # [B, cache_len - R]
-    return torch.cat([prefix[:, None, :].expand(B, n, cache_len - R), visible], dim=-1)
-
-
 # ---------------------------------------------------------------------------------------------
 # Hybrid trees: a chain of guesses from elsewhere (prompt lookup) grafted onto a tree
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,325 @@
+"""--tree auto: the tree's shape (top_k, depth, tokens) from what rounds cost on this machine.
+
+A round of shape (k, d, T) costs round = other + grow_1(k) + (d - 1) * level(k) + verify(T) and
+emits tau(k, d, T) tokens, for which vanilla decoding takes tau steps: the predicted speedup is
+tau * step / round. On a GPU verify(T) hardly grows with T; on a CPU it does, and a big tree can be
+slower than none, so the shape is chosen per machine, and vanilla decoding when none pays.
+
+tau comes from probe rounds per top_k with the deepest, largest tree: a smaller tree keeps the T - 1
+best-scored candidates of depth <= d of the same pool, a subset closed under ancestors, so its
+accepted path is the longest prefix of the probe's that it keeps (exact for greedy acceptance, an
+estimate when sampling). Measurements are cached per machine, model, head, dtype and mode.
+"""
+import bisect
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+import tp
+from compiling import compile_function, cuda_graph, device_sync
+from draft import grow_dynamic_tree
+from model import Transformer, TreeMask
+from sampling import sample
+from speculative import Speculator, accept
+from trees import Tree, tree_structure
+
+# Fixed probe prompts (a cached measurement serves every later prompt), none from an evaluation set.
+PROBE_TEXTS = ["Explain how a bicycle stays upright.", "Write a short poem about the sea.",
+               "Give me three tips for learning a new language.", "What is the difference between weather and climate?"]
+AUTO_TOP_K = (4, 6, 8, 10)
+AUTO_TOKENS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+AUTO_TOKENS_CPU = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # compiled on a CPU, where verify(T) grows with T
+AUTO_ROUNDS = 16         # probe rounds per top_k
+AUTO_MIN_SPEEDUP = 1.05  # a tree must be predicted this much faster than vanilla decoding to be used
+
+
+class ShapeCosts(NamedTuple):
+    """Seconds, measured in the mode that will run (measure_shapes)."""
+    step: float     # one vanilla decode step
+    verify: dict    # {T: the target's forward over T tree tokens}
+    grow: dict      # {top_k: (the tree's first level, each further level)}
+    other: float    # the rest of a round: catch-up, acceptance, compaction, bookkeeping
+
+    def round(self, top_k: int, depth: int, tokens: int, lookup: int = 0) -> float:
+        """A round of a dynamic tree of this shape, plus lookup's chain of nodes in the verify."""
+        first, level = self.grow[top_k]
+        return self.other + first + (depth - 1) * level + self.verify_at(tokens + lookup)
+
+    def verify_at(self, tokens: int) -> float:
+        """verify(tokens); where it was not measured, on the line through the measured sizes."""
+        return on_line(self.verify, tokens)
+
+
+def on_line(points: dict, x: float) -> float:
+    """points[x], else on the line through the nearest two points (the one value if there is one)."""
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = min(max(bisect.bisect(xs, x), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+def predicted_tau(probes: list, depth: int, tokens: int) -> float:
+    """Mean tokens per round of the tree (depth, tokens) over probe rounds: each probe is (scores
+    [N], depth [N] of every candidate, the pool indices of the accepted path's nodes, root first)."""
+    total = 0.0
+    for scores, levels, accepted in probes:
+        inside = scores[levels <= depth]
+        bar = inside.topk(tokens - 1).values[-1] if tokens - 1 < inside.numel() else -float("inf")
+        n = 0
+        for i in accepted:  # the accepted path's prefix that this tree keeps
+            if levels[i] > depth or scores[i] < bar:
+                break
+            n += 1
+        total += 1 + n
+    return total / len(probes)
+
+
+def most_tokens(top_k: int, depth: int) -> int:
+    """The largest tree a dynamic tree of this top_k and depth can keep, root included."""
+    return 1 + top_k + (depth - 1) * top_k ** 2
+
+
+def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS,
+                 min_speedup: float = AUTO_MIN_SPEEDUP, lookup: int = 0):
+    """The rule of --tree auto, a pure function of costs and probes ({top_k: probes}). Returns (the best
+    shape, or None for vanilla decoding below min_speedup; every shape's (speedup, tau, round / step),
+    best first). The margin sends a close call to vanilla: a wrong choice must not slow decoding."""
+    table = []
+    for k, probes in acceptance.items():
+        for d in depths:
+            for T in tokens:
+                if k not in costs.grow or T not in costs.verify or not 2 <= T <= most_tokens(k, d):
+                    continue
+                tau = predicted_tau(probes, d, T)
+                cost = costs.round(k, d, T, lookup) / costs.step  # lookup's nodes cost, their gain is not counted
+                table.append((tau / cost, tau, cost, dict(tree_top_k=k, tree_depth=d, tree_tokens=T)))
+    table.sort(key=lambda row: -row[0])
+    best = table[0] if table and table[0][0] >= min_speedup else None
+    return (None if best is None else best[3]), table
+
+
+@torch.no_grad()
+def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, max_depth: int = 8,
+                   tokens=AUTO_TOKENS, rounds: int = AUTO_ROUNDS, temperature: float = 0.0, top_k=None, top_p=None,
+                   stop_ids=(), cuda_graphs: bool = False, compiled_cpu: bool = False):
+    """(ShapeCosts, acceptance) measured on this machine: probe rounds per top_k with the deepest,
+    largest tree; step, tree levels and verify(T) timed alone (medians). cuda_graphs: time CUDA graph
+    replays, as a compiled CUDA run executes them (eager there is launch-bound). compiled_cpu: time
+    compiled parts, with fewer graphs since each costs a compilation: growth for the largest top_k
+    only (a level costs about one read of the draft), verify(T) at the ends, linear in between.
+    Every rank takes rank 0's timings (tp.from_rank0), so that all choose the same shape."""
+    device = model.norm.weight.device
+    sampling = (temperature, top_k, top_p)
+    budget = rounds * (max_depth + 1) + 2 * (max_depth + 1)
+    longest = max(len(p) for p in prompts)
+
+    def seconds(fn, repeats=5, reset=None):
+        if cuda_graphs:
+            fn = cuda_graph(fn)
+        elif compiled_cpu:  # compiled at the first, untimed call
+            fn = compile_function(fn, device, (model, draft))
+        times = []
+        for _ in range(repeats + 1):
+            if reset is not None:
+                reset()
+            device_sync(device)
+            t = time.perf_counter()
+            fn()
+            device_sync(device)
+            times.append(time.perf_counter() - t)
+        return tp.from_rank0(statistics.median(times[1:]))
+
+    acceptance, grow, others = {}, {}, []
+    largest = max(T for T in tokens if T <= max(most_tokens(k, max_depth) for k in top_ks))
+    for k in top_ks:
+        spec = Speculator(model, draft, tree_top_k=k, tree_depth=max_depth,
+                          tree_tokens=min(largest, most_tokens(k, max_depth)), temperature=temperature,
+                          top_k=top_k, top_p=top_p, stop_ids=stop_ids)
+        spec.setup(1, longest + budget)
+        probes, turn = [], 0
+        for i in range(rounds):
+            if i == 0 or bool(spec.done[0]):  # the next prompt, round robin
+                spec.prefill(torch.tensor([prompts[turn % len(prompts)]], device=device), budget)
+                turn += 1
+            device_sync(device)
+            t = time.perf_counter()
+            root_hidden = spec.catch_up()
+            device_sync(device)
+            caught_up = time.perf_counter() - t
+            tree, pool = spec.grow(root_hidden, with_pool=True)
+            logits, features = spec.verify(tree)
+            device_sync(device)
+            t = time.perf_counter()
+            node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
+            path = spec.compact(tree, node)
+            spec.advance(tree, path, n_accepted, bonus, features)
+            device_sync(device)
+            others.append(caught_up + time.perf_counter() - t)
+            m = int(n_accepted[0])
+            accepted = pool.keep[0, path[0, 1:m + 1] - 1].tolist()
+            probes.append((pool.scores[0].float().cpu(), pool.depth.cpu(), accepted))
+        acceptance[k] = probes
+        if compiled_cpu and k != max(top_ks):
+            continue
+        # the first level alone, and all of them, from the same state
+        root_hidden = spec.catch_up()
+        first = seconds(lambda: grow_dynamic_tree(draft, model.tok_embeddings, model.output, spec.root, root_hidden,
+                                                  spec.prefix_len, k, 1, 2))
+        full = seconds(lambda: spec.grow(root_hidden))
+        grow[k] = (first, max(0.0, (full - first) / (max_depth - 1)))
+    if compiled_cpu:
+        grow = {k: grow[max(top_ks)] for k in top_ks}
+        # the rest of a round, compiled, from the state a round leaves (restored before each timing)
+        tree = spec.grow(spec.catch_up())
+        logits, features = spec.verify(tree)
+        state = {name: b.clone() for name, b in spec.named_buffers(recurse=False)}
+
+        def restore():
+            for name, b in spec.named_buffers(recurse=False):
+                b.copy_(state[name])
+
+        def rest():
+            node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
+            spec.advance(tree, spec.compact(tree, node), n_accepted, bonus, features)
+
+        others = [seconds(spec.catch_up, reset=restore) + seconds(rest, reset=restore)]
+    # verify(T): the target's forward over T tree tokens (a chain) after a real prefix
+    spec.prefill(torch.tensor([prompts[0]], device=device), budget)
+    verify = {}
+    timed = [T for T in tokens if T <= largest]
+    if compiled_cpu:
+        timed = [min(timed), max(timed)]
+    for T in timed:
+        parents = torch.arange(-1, T - 1, device=device)[None]
+        chain = Tree(spec.root[:, None].expand(1, T).clone(), parents, *tree_structure(parents, T - 1))
+        verify[T] = seconds(lambda: model(chain.tokens, spec.prefix_len[:, None] + chain.depth,
+                                          model.max_seq_length - T + torch.arange(T, device=device),
+                                          TreeMask(spec.prefix_len, chain.ancestors)))
+    if compiled_cpu:  # the rest in between, on the line through the two
+        verify = {T: on_line(verify, T) for T in tokens if T <= largest}
+    token = spec.root.clone()
+    position = spec.prefix_len.clone()
+
+    def step():  # one vanilla decode step, as generate.decode_one_token (in place: a CUDA graph replays it)
+        token.copy_(sample(model(token[:, None], position[:, None])[:, -1], *sampling))
+
+    costs = ShapeCosts(step=seconds(step), verify=verify, grow=grow, other=tp.from_rank0(statistics.median(others)))
+    return costs, acceptance
+
+
+def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
+                cuda_graphs: bool = False, compiled_cpu: bool = False, cache_key: Optional[dict] = None,
+                lookup: int = 0, **sampling):
+    """measure_shapes (or its cached result) and choose_shape: (choice, table, costs, how). With
+    cache_key (machine, model, head, dtype, mode, sampling) the measurement is kept in auto_cache_dir()."""
+    if not prompts or not all(prompts):
+        raise ValueError("--tree auto measures on prompts; none was given")
+    tokens = AUTO_TOKENS_CPU if compiled_cpu else AUTO_TOKENS
+    cache = None if cache_key is None else auto_cache_dir() / (_digest(dict(
+        cache_key, top_ks=list(top_ks), max_depth=max(depths), tokens=list(tokens), rounds=AUTO_ROUNDS,
+        sampling=sampling, compiled_cpu=compiled_cpu)) + ".pt")
+    t = time.perf_counter()
+    if cache is not None and cache.is_file():
+        costs, acceptance = _read_cache(cache)
+        how = f"read {cache}"
+    else:
+        costs, acceptance = measure_shapes(model, draft, prompts, top_ks=top_ks, max_depth=max(depths), tokens=tokens,
+                                           stop_ids=stop_ids, cuda_graphs=cuda_graphs, compiled_cpu=compiled_cpu,
+                                           **sampling)
+        how = f"measured for {time.perf_counter() - t:.1f} s"
+        if cache is not None:
+            # Renamed when whole: a process measuring at the same time never reads half a file.
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+            torch.save({"costs": costs._asdict(), "acceptance": acceptance}, partial)
+            os.replace(partial, cache)
+    return (*choose_shape(costs, acceptance, depths, tokens, lookup=lookup), costs, how)
+
+
+def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[dict]:
+    """--tree auto: measure (or read the cache), choose and say why; None for vanilla decoding."""
+    choice, table, costs, how = shape_table(model, draft, prompts, **kwargs)
+    print(f"--tree auto: {how}; a vanilla step takes {costs.step * 1e3:.1f} ms. Best shapes "
+          f"(top_k, depth, tokens: predicted tokens per round, round cost in steps, speedup):", file=sys.stderr)
+    for speedup, tau, cost, shape in table[:5]:
+        print(f"  {shape['tree_top_k']:3d} {shape['tree_depth']:3d} {shape['tree_tokens']:4d}: tau {tau:.2f}, "
+              f"round {cost:.2f} steps -> {speedup:.2f}x", file=sys.stderr)
+    if choice is None:
+        print(f"--tree auto: no tree is predicted to be {AUTO_MIN_SPEEDUP}x faster than vanilla decoding "
+              f"on this machine: decoding without speculation", file=sys.stderr)
+    return choice
+
+
+def auto_cache_dir() -> Path:
+    """Where --tree auto keeps its measurements: $EAGLE_AUTO_CACHE, else the user's cache."""
+    return Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "auto")
+
+
+def cpu_info() -> dict:
+    """The first CPU's fields in /proc/cpuinfo; empty where there is no such file."""
+    info = {}
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    return info
+
+
+def cpu_name() -> str:
+    """The CPU's model name with family, model and AMX where known: the name alone can be the same for
+    two generations whose timings differ."""
+    cpu = platform.processor() or platform.machine()
+    info = cpu_info()
+    if not info.get("model name"):
+        return cpu
+    cpu = info["model name"]
+    if info.get("cpu family"):
+        amx = "AMX" if "amx_tile" in info.get("flags", "").split() else "no AMX"
+        cpu += f" (family {info['cpu family']}, model {info.get('model', '?')}, {amx})"
+    return cpu
+
+
+def machine_key(device) -> dict:
+    """The machine, as far as timings depend on it."""
+    hardware = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else cpu_name()
+    return dict(hardware=hardware, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                host=platform.node())
+
+
+def file_key(path) -> dict:
+    """A file, as far as its contents matter: name, size and modification time."""
+    path = Path(path)
+    target = path / "draft.safetensors" if path.is_dir() else path
+    stat = target.stat()
+    return dict(path=str(target.resolve()), size=stat.st_size, mtime=stat.st_mtime_ns)
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path):
+    saved = torch.load(path, weights_only=True)
+    costs = saved["costs"]
+    costs = ShapeCosts(step=costs["step"], verify={int(k): v for k, v in costs["verify"].items()},
+                       grow={int(k): tuple(v) for k, v in costs["grow"].items()}, other=costs["other"])
+    return costs, {int(k): v for k, v in saved["acceptance"].items()}
+
+
+def probe_prompts(tokenizer, chat: bool = True) -> list:
+    """PROBE_TEXTS as token ids (in the chat template, with chat)."""
+    if chat:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in PROBE_TEXTS]
+    return [tokenizer.encode(text) for text in PROBE_TEXTS]

@@ -1,0 +1,92 @@
+"""Quantize a target or an EAGLE draft to weight-only int8 or int4 (quantize.py has the layers).
+
+    python scripts/quantize_checkpoint.py --checkpoint_path checkpoints/NAME/model.pth --mode int8
+    python scripts/quantize_checkpoint.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
+    python scripts/quantize_checkpoint.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
+
+write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming), or
+draft_int8.safetensors / draft_int4.g32.safetensors beside the draft; generate.py reads the mode
+from the file name:
+
+    python generate.py --checkpoint_path checkpoints/NAME/model_int8.pth --speculate eagle2 \\
+        --draft_checkpoint_path checkpoints/NAME/eagle/draft_int8.safetensors
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import quantize  # noqa: E402
+from checkpoint import DRAFT_WEIGHTS, draft_files, load_draft, load_model  # noqa: E402
+
+
+def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
+    """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; returns the new path."""
+    path = Path(path)
+    if quantize.mode_from_path(path)[0] is not None:
+        raise ValueError(f"{path.name} is already quantized: quantize the float model.pth")
+    out = quantize.quantized_path(path, mode, groupsize)
+    _refuse_to_overwrite(out, force)
+    model = load_model(path, "cpu", dtype=None)  # dtype None: the float parts keep the file's dtype
+    for line in quantize.quantize_model(model, mode, groupsize):
+        print(line)
+    if model.config.tie_embeddings:
+        print("  tied LM head: quantized as its own copy; tok_embeddings.weight stays in float")
+    torch.save(model.state_dict(), out)
+    _report_written(out, path)
+    return out
+
+
+def quantize_draft(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
+    """An EAGLE draft folder (or its draft.safetensors) -> draft_int8.safetensors /
+    draft_int4.gNN.safetensors in the same folder; returns the new path."""
+    _, _, weights = draft_files(path)
+    if quantize.mode_from_path(weights)[0] is not None:
+        raise ValueError(f"{weights.name} is already quantized: quantize the float {DRAFT_WEIGHTS}")
+    out = quantize.quantized_path(weights, mode, groupsize)
+    _refuse_to_overwrite(out, force)
+    draft = load_draft(weights)  # no target at hand to check it against
+    for line in quantize.quantize_model(draft, mode, groupsize):
+        print(line)
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out))
+    _report_written(out, weights)
+    return out
+
+
+def _refuse_to_overwrite(path: Path, force: bool):
+    if path.exists() and not force:
+        raise FileExistsError(f"refusing to overwrite {path}: pass --force to replace it")
+
+
+def _report_written(out: Path, source: Path):
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; {source.name}: {source.stat().st_size / 1e6:.1f} MB)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct/model.pth"),
+                   help="model.pth; with --draft, an EAGLE draft folder or its draft.safetensors")
+    p.add_argument("--mode", choices=["int8", "int4"], required=True)
+    p.add_argument("--groupsize", type=int, default=None,
+                   help=f"int4: input columns per scale/zero, one of {', '.join(map(str, quantize.GROUPSIZES))} (default 32)")
+    p.add_argument("--draft", action="store_true", help="quantize an EAGLE draft instead of a target model")
+    p.add_argument("--force", action="store_true", help="overwrite an existing quantized file")
+    args = p.parse_args(argv)
+    if args.groupsize is not None and args.mode != "int4":
+        p.error("--groupsize applies to --mode int4 only")
+    groupsize = 32 if args.groupsize is None else args.groupsize
+    try:
+        if args.mode == "int4":
+            quantize.check_groupsize(groupsize)
+        write = quantize_draft if args.draft else quantize_checkpoint
+        return write(args.checkpoint_path, args.mode, groupsize, args.force)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
