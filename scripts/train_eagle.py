@@ -1,31 +1,12 @@
-"""Train an EAGLE draft head for a target model, offline, on data the target writes itself
-(docs/training.md: the method, the presets, the commands).
+"""Train an EAGLE draft head for a target on data the target writes itself (docs/training.md).
 
     python scripts/train_eagle.py --arch eagle3 --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth \
         --preset smollm2-cpu --out_dir heads/my-eagle3 --data_dir data/SmolLM2-135M-Instruct --n_shards 16
 
-Three stages, each cached and resumed when rerun:
-  1. data       Magpie: the target, given its chat template up to an empty user turn, writes user
-                messages, then answers them. An EAGLE-1/2 head (--arch eagle) without --data_dir:
-                one-turn prompts and answers in its work dir. Otherwise conversation shards of one
-                or two turns under --data_dir: token ids, compressed, small enough for git, so that
-                a later session, even on a fresh machine, continues from them.
-  2. features   One teacher-forced forward of the target over each conversation: the final
-                post-norm hidden state (EAGLE-1/2), or the residual streams entering three layers
-                and the target's most probable next tokens (EAGLE-3). Cached under --cache_dir.
-  3. train      EAGLE-1/2: SmoothL1 on the next feature plus ce_weight x cross-entropy through the
-                frozen LM head, noise on the input features. EAGLE-3: soft cross-entropy over the
-                draft vocabulary at each of --unroll steps of the training-time test (the draft fed
-                its own outputs, as inside a tree), weighted unroll_decay^k; its LM head and final
-                norm start from the target's. AdamW, warm-up and cosine, clipping, bf16 autocast; the
-                state is saved every --save_every steps and --resume continues bit for bit.
-Validation after every epoch (and every --eval_every steps): top-1 accuracy per unrolled step on
-held-out conversations, and tau of real tree decoding on held-out prompts. The head is written to
---out_dir (checkpoint.save_draft, bf16: its own weights, not the target's embedding or LM head) only
-when its held-out accuracy beats the head already there (--force) and the head it starts from
-(--init_from), all measured on the same conversations.
-
-Every Preset field is a flag too (e.g. --unroll 3).
+Stages, each cached under --work_dir and resumed: data (Magpie: the target writes user messages, then
+answers them), features (the target's teacher-forced forward, in --cache_dir), training (--resume: bit
+for bit). A head reaches --out_dir only when its held-out accuracy beats the head there (--force) and
+the one it starts from (--init_from). Every Preset field is a flag too (e.g. --unroll 3).
 """
 import argparse
 import copy
@@ -93,19 +74,16 @@ class Preset:
 PRESETS = {
     "eagle": {
         "smollm2-cpu": Preset(),  # SmolLM2-135M on a CPU
-        # a GPU: more data and epochs
         "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
                       lr=3e-4, warmup_steps=500, unroll=3),
         "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,  # for tests
                        batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
     },
     "eagle3": {
-        # SmolLM2-135M on a CPU, over several sessions: the shards are kept in git (data/), the
-        # training state resumes
+        # SmolLM2-135M on a CPU, over several sessions: the shards are kept in git (data/), the state resumes
         "smollm2-cpu": Preset(prompt_max_tokens=128, answer_max_tokens=256, sampled_fraction=0.15, val_fraction=0.03,
                               epochs=4, unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
                               eval_every=250, tau_max_tokens=128),
-        # a GPU: the reference's recipe, scaled to the data a GPU writes in a few hours
         "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
                       lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8, sampled_fraction=0.15,
                       val_fraction=0.02),
@@ -116,15 +94,18 @@ PRESETS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Batched generation with per-row prompt lengths: rows are right-padded, each row's positions
-# and cache slots continue from its own length (model.py takes them per row), so a pad slot is
-# overwritten by that row's next token before the row ever attends to it.
-# ---------------------------------------------------------------------------------------------
+def replace_atomically(path: Path, save):
+    """save(tmp) then rename: a run killed while writing leaves the previous file (or none), never half of one."""
+    tmp = path.with_name("tmp." + path.name)
+    save(tmp)
+    os.replace(tmp, path)
+
+
+# ---- The target, batched: rows right-padded, each row's positions and cache slots continuing from its
+# own length (a pad slot is overwritten by the row's next token before the row attends to it).
 def sample_rows(logits, temperature, top_k):
-    """Next token of each row of logits [B, V]; temperature [B] (0: greedy) or one float. Only the
-    rows that sample pay for it, and with top_k among their top_k logits only: a softmax and a
-    cumulative sum over the whole vocabulary for a large batch cost a good part of a decode step."""
+    """Next token of each row of logits [B, V]; temperature [B] (0: greedy) or one float. Only sampled
+    rows pay for a softmax (over their top_k logits)."""
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(logits.size(0))
     tokens = logits.argmax(-1)
     hot = (temperature > 0).nonzero().flatten()
@@ -139,27 +120,28 @@ def sample_rows(logits, temperature, top_k):
 
 
 def keep_cache_rows(model, rows: torch.Tensor):
-    """Shrink the target's KV cache to the batch rows `rows`: rows that finished their answer stop
-    costing a decode step (a batch otherwise runs as long as its longest answer)."""
+    """Shrink the target's KV cache to the batch rows `rows` (finished rows stop costing a step)."""
     model.kv_storage = model.kv_storage[:, :, rows]
     model.max_batch_size = len(rows)
     for layer, storage in zip(model.layers, model.kv_storage):
         layer.attention.kv_cache = KVCache(storage)
 
 
+def setup_rows(model, batch: int, length: int):
+    model.setup_caches(batch, length)
+    if model.max_batch_size > batch:  # a bigger cache from an earlier call: use its first rows
+        keep_cache_rows(model, torch.arange(batch, device=model.norm.weight.device))
+
+
 @torch.no_grad()
 def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids, chunk=16):
-    """prompts: lists of ids; temperature: one float or one per row (0: greedy). Returns per row
-    the prompt + answer ids, cut after the first stop token. Prompts are prefilled chunk positions
-    at a time (the [rows, chunk, vocab] logits stay small), attention reads only the live slots
-    (kv_len), and every 8 steps rows that have stopped leave the batch once they are a quarter of it."""
+    """Per prompt (a list of ids): prompt + answer ids, cut after the first stop token; temperature: one or
+    one per row (0: greedy). Finished rows leave the batch once they are a quarter of it."""
     device = model.norm.weight.device
     B, lengths = len(prompts), torch.tensor([len(p) for p in prompts], device=device)
     temps = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(B).clone()
     L = int(lengths.max())
-    model.setup_caches(B, L + max_new_tokens + 1)
-    if model.max_batch_size > B:  # a bigger cache from an earlier call: use its first B rows
-        keep_cache_rows(model, torch.arange(B, device=device))
+    setup_rows(model, B, L + max_new_tokens + 1)
     padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=device)
     last = torch.zeros(B, model.config.vocab_size, device=device)
     rows = torch.arange(B, device=device)
@@ -185,8 +167,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids,
             keep = (~done).nonzero().flatten()
             keep_cache_rows(model, keep)
             live, token, pos, temps, done = live[keep], token[keep], pos[keep], temps[keep], done[keep]
-        # Feeding the token gives the next one; a finished row's extra tokens are cut below.
-        logits = model(token[:, None], pos[:, None], kv_len=L + step + 1)
+        logits = model(token[:, None], pos[:, None], kv_len=L + step + 1)  # a finished row's extras are cut below
         token = sample_rows(logits[:, -1], temps, top_k)
         pos += 1
     out = []
@@ -199,32 +180,23 @@ def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids,
 
 @torch.no_grad()
 def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
-    """Teacher-forced: one forward of the target over each id sequence, several sequences per
-    forward (length-sorted, at most max_tokens padded tokens), as a prefill. Returns per sequence
-    "features" float16 [n, F]: the final post-norm hidden state (EAGLE-1/2), or with layer_ids the
-    residual streams entering those layers, concatenated (EAGLE-3); with keep_top also "top_ids"
-    int64 and "top_probs" float16 [n, keep_top], the target's most probable next tokens at every
-    position under its own distribution (temperature 1). Right padding changes nothing: attention
-    is causal."""
+    """Teacher-forced, per sequence: "features" float16 [n, F], the final hidden state (EAGLE-1/2) or the
+    residual streams entering layer_ids (EAGLE-3); with keep_top, the target's top next tokens "top_ids"
+    and "top_probs" [n, keep_top]."""
     device = model.norm.weight.device
     out = [None] * len(seqs)
-    groups = make_batches_by_length([len(s) for s in seqs], max_tokens, False, None)
     output = model.output
     if not keep_top:  # no logits needed: skip the LM head, a large part of the forward
         model.output = torch.nn.Identity()
     try:
-        for group in groups:
+        for group in make_batches_by_length([len(s) for s in seqs], max_tokens, False, None):
             n = max(len(seqs[i]) for i in group)
-            model.setup_caches(len(group), n)
-            if model.max_batch_size > len(group):
-                keep_cache_rows(model, torch.arange(len(group), device=device))
+            setup_rows(model, len(group), n)
             ids = torch.tensor([list(seqs[i]) + [0] * (n - len(seqs[i])) for i in group], device=device)
             logits, final, layer_inputs = model(ids, torch.arange(n, device=device), return_features=True,
                                                 layer_ids=layer_ids or (), kv_len=n)
             feats = final if layer_ids is None else torch.cat(layer_inputs, dim=-1)
-            # float16 halves the cache; the rare residual-stream value beyond its range is clamped
-            # rather than turned into inf
-            feats = feats.float().clamp(-65504, 65504)
+            feats = feats.float().clamp(-65504, 65504)  # float16 storage: a rare outlier clamped, not inf
             for b, i in enumerate(group):
                 m = len(seqs[i])
                 row = {"features": feats[b, :m].half().cpu()}
@@ -237,16 +209,14 @@ def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Stage 1: prompts (Magpie)
-# ---------------------------------------------------------------------------------------------
+# ---- Data of an EAGLE-1/2 head without --data_dir: Magpie one-turn prompts, answers in shard_*.pt
 def user_turn_prefix(tokenizer):
-    """The token ids of the chat template up to where a user's first message begins."""
+    """The chat template's ids up to where a user's first message begins."""
     return next_user_prefix(tokenizer, [])
 
 
 def keep_prompt(text: str, seen: set) -> bool:
-    """Filters for self-written prompts: non-empty, a real sentence, not degenerate, not seen."""
+    """Self-written prompts: a real sentence, not degenerate, not seen before."""
     words = text.split()
     key = " ".join(words).lower()[:80]
     if len(words) < 3 or len(text) > 600 or "<|" in text or key in seen:
@@ -260,9 +230,8 @@ def keep_prompt(text: str, seen: set) -> bool:
 
 
 def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
-    """{"train": [...], "val": [...], "attempts": n}, written to path once complete. The prompts
-    so far and the sampler's state are saved after every batch (path with .partial), so an
-    interrupted run resumes where it stopped."""
+    """{"train", "val", "attempts"}, written to path once complete; saved after every batch with the
+    sampler's state, so an interrupted run resumes."""
     if path.is_file():
         return json.loads(path.read_text())
     prefix = user_turn_prefix(tokenizer)
@@ -283,13 +252,9 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
         if attempts > 20 * preset.n_prompts + 10 * preset.gen_batch:
             raise RuntimeError(f"only {len(prompts)} usable prompts after {attempts} samples: is the chat "
                                f"template right for this model?")
-        for row in generate_batch(model, [prefix] * preset.gen_batch, preset.prompt_max_tokens,
-                                  preset.prompt_temperature, preset.prompt_top_k, stop_ids):
-            answer = row[len(prefix):]
-            if not answer or answer[-1] not in stop_ids:
-                continue  # ran out of tokens: a truncated message
-            text = tokenizer.decode(answer[:-1]).strip()
-            if keep_prompt(text, seen) and len(prompts) < preset.n_prompts:
+        for text in seeded_messages(model, tokenizer, [prefix] * preset.gen_batch, [""] * preset.gen_batch, preset,
+                                    stop_ids):
+            if text is not None and keep_prompt(text, seen) and len(prompts) < preset.n_prompts:
                 prompts.append(text)
                 bar.update(1)
         torch.save({"prompts": prompts, "attempts": attempts, "rng": torch.get_rng_state()}, partial)
@@ -302,16 +267,12 @@ def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
     return split
 
 
-# ---------------------------------------------------------------------------------------------
-# Stage 2: answers and features
-# ---------------------------------------------------------------------------------------------
 def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path, seed: int):
-    """Shards of {"ids", "features", "prompt_len", "split"}; one shard per generation batch, so an
-    interrupted run resumes where it stopped."""
+    """The answers and their features, one shard per generation batch (an interrupted run resumes)."""
     jobs = [(split, text) for split in ("train", "val") for text in prompts[split]]
     rng = random.Random(seed)
     sampled = {i for i in range(len(jobs)) if rng.random() < preset.sampled_fraction}
-    # Sort by prompt length so a batch pads little; greedy and sampled answers in separate batches.
+    # Sorted by prompt length so a batch pads little; greedy and sampled answers in separate batches.
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for _, text in jobs]
     order = sorted(range(len(jobs)), key=lambda i: (i in sampled, len(chats[i])))
     batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)]
@@ -332,8 +293,7 @@ def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path,
 
 
 def answer_record(ids: torch.Tensor, features: torch.Tensor, prompt_len: int) -> dict:
-    """The training record of a one-turn answer, in the form load_conversations gives a
-    conversation's (numpy arrays): learn[p] says that the token after position p is an answer token."""
+    """A one-turn answer as a training record (load_conversations' form); learn[p]: the token after p is learned."""
     ids = ids.numpy().astype(np.int64)
     learn = np.zeros(len(ids), dtype=bool)
     learn[prompt_len - 1:len(ids) - 1] = True
@@ -350,16 +310,9 @@ def load_shards(data_dir: Path):
     return data
 
 
-# ---------------------------------------------------------------------------------------------
-# Stage 1+2 for EAGLE-3: conversations of one or two turns, kept as token ids.
-#
-# A user message is Magpie-sampled after the template's user-turn opening plus the opening words
-# of a kind of request (our own words, one category per conversation; "open" adds none): the
-# target writes the rest. A two-turn conversation's follow-up is seeded the same way with words
-# that ask to rewrite, continue or critique the first answer. Answers are greedy, a share sampled
-# at temperature 1. A shard stores the conversations as the chat template encodes them (uint16
-# ids) and which tokens are assistant tokens (those the draft learns), compressed.
-# ---------------------------------------------------------------------------------------------
+# ---- Conversation shards (EAGLE-3, and EAGLE-1/2 with --data_dir): one or two turns, as token ids. A user
+# message is Magpie-sampled after the opening words of a kind of request ("open": none); a follow-up
+# after words that ask to rewrite, continue or critique the first answer.
 OPENERS = {
     "writing": ["Write a short story about", "Write a poem about", "Write a blog post about", "Draft an email to",
                 "Write a product description for", "Write a speech for", "Compose a letter to",
@@ -407,8 +360,7 @@ CATEGORIES = list(OPENERS)
 
 
 def next_user_prefix(tokenizer, messages):
-    """The token ids of the conversation `messages` followed by the template's opening of the
-    next user message (the Magpie prompt for a follow-up)."""
+    """The ids of `messages` followed by the template's opening of the next user message."""
     a = tokenizer.apply_chat_template(messages + [{"role": "user", "content": "A"}], add_generation_prompt=False)
     b = tokenizer.apply_chat_template(messages + [{"role": "user", "content": "B"}], add_generation_prompt=False)
     n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
@@ -416,15 +368,14 @@ def next_user_prefix(tokenizer, messages):
 
 
 def assistant_header(tokenizer):
-    """The ids the template puts before every assistant answer (after the user's message)."""
+    """The ids the template puts before every assistant answer."""
     m = [{"role": "user", "content": "A"}]
     a, b = tokenizer.apply_chat_template(m, False), tokenizer.apply_chat_template(m, True)
     return b[len(a):]
 
 
 def assistant_mask(ids, header, stop_ids):
-    """Per token: whether it belongs to an assistant answer (from the token after an assistant
-    header up to and including the answer's stop token)."""
+    """Per token: whether it belongs to an assistant answer (after a header, up to its stop token included)."""
     mask, i, h = [False] * len(ids), 0, len(header)
     while i + h <= len(ids):
         if ids[i:i + h] == header:
@@ -441,9 +392,7 @@ def assistant_mask(ids, header, stop_ids):
 
 
 def seeded_messages(model, tokenizer, prefixes, openers, preset: Preset, stop_ids):
-    """Magpie with a seed: after each prefix (ids ending where a user message begins) and its
-    opening words, the target writes the rest of the message. Returns the texts (None where the
-    message was cut off)."""
+    """The user messages the target writes after each prefix and its opening words (None: cut off)."""
     seeds = [tokenizer.encode(o, bos=False) if o else [] for o in openers]
     rows = generate_batch(model, [p + s for p, s in zip(prefixes, seeds)], preset.prompt_max_tokens,
                           preset.prompt_temperature, preset.prompt_top_k, stop_ids)
@@ -455,8 +404,7 @@ def seeded_messages(model, tokenizer, prefixes, openers, preset: Preset, stop_id
 
 
 def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: int):
-    """gen_batch conversations (fewer when too few messages pass the filter): dicts of "ids",
-    "assistant" (bools), "split", "temperature", "category", "turns"."""
+    """Up to gen_batch conversations: "ids", "assistant" (bools), "split", "temperature", "category", "turns"."""
     rng = random.Random(seed * 1_000_003 + index)
     torch.manual_seed(seed * 1_000_003 + index)
     stop_ids = set(tokenizer.stop_ids)
@@ -483,8 +431,8 @@ def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: 
             c["ids"], c["answer"] = s, s[len(p):]
 
     answer(convs)
-    # Follow-ups, also after an answer cut off at answer_max_tokens: MT-bench's second turns follow
-    # first answers cut at the benchmark's token budget the same way (the template closes the turn).
+    # Follow-ups also after an answer cut off at answer_max_tokens, as MT-bench's second turns follow
+    # first answers cut at its token budget.
     two = [c for c in convs if c["turns"] == 2 and c["answer"]]
     if two:
         for c in two:
@@ -507,27 +455,23 @@ def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: 
 
 
 def save_conversations(path: Path, convs, meta: dict):
-    """One compressed .npz: ids uint16 (all conversations back to back), offsets, the assistant
-    mask bit-packed, and per conversation its split, temperature, category and number of turns.
-    Written to a temporary name first, so that a killed run leaves no half shard."""
+    """One compressed .npz: ids (uint16) back to back, offsets, the assistant mask bit-packed, and the
+    conversations' fields."""
     ids = np.concatenate([np.asarray(c["ids"], dtype=np.int64) for c in convs]) if convs else np.zeros(0, np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= 2 ** 16):
         raise ValueError("token ids must fit in uint16 (a vocabulary of at most 65,536)")
     mask = np.concatenate([np.asarray(c["assistant"], dtype=bool) for c in convs]) if convs else np.zeros(0, bool)
-    tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez_compressed(
+    replace_atomically(path, lambda tmp: np.savez_compressed(
         tmp, ids=ids.astype(np.uint16), offsets=np.cumsum([0] + [len(c["ids"]) for c in convs]).astype(np.int64),
         assistant=np.packbits(mask), val=np.array([c["split"] == "val" for c in convs], dtype=bool),
         temperature=np.array([c["temperature"] for c in convs], dtype=np.float32),
         category=np.array([CATEGORIES.index(c["category"]) for c in convs], dtype=np.uint8),
         turns=np.array([c["turns"] for c in convs], dtype=np.uint8),
-        categories=np.array(CATEGORIES), meta=np.array(json.dumps(meta)))
-    os.replace(tmp, path)
+        categories=np.array(CATEGORIES), meta=np.array(json.dumps(meta))))
 
 
 def load_conversation_arrays(path: Path) -> dict:
-    """A shard's arrays: ids (uint16), offsets, assistant (bool per token), val, temperature,
-    category (names), turns."""
+    """A shard's arrays, the assistant mask unpacked and categories as names."""
     with np.load(path, allow_pickle=False) as z:
         s = {k: z[k] for k in z.files}
     s["assistant"] = np.unpackbits(s["assistant"], count=len(s["ids"])).astype(bool)
@@ -545,68 +489,55 @@ def load_conversation_shard(path: Path):
             for i in range(len(o) - 1)]
 
 
-def shard_name(n: int) -> str:
-    """The file of conversation shard n (the one place its name is spelled)."""
-    return f"conv_{n:05d}.npz"
-
-
 def shard_names(first: int, end: int):
-    return [shard_name(n) for n in range(first, end)]
+    return [f"conv_{n:05d}.npz" for n in range(first, end)]
 
 
 def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: int, n_shards: int):
-    """Shards conv_00000.npz ... up to n_shards; the ones already there are kept (a later session
-    continues where an earlier one stopped)."""
+    """The shards up to n_shards that are not there yet (a later session continues an earlier one's)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     meta = {"seed": seed, "gen_batch": preset.gen_batch, "answer_max_tokens": preset.answer_max_tokens,
             "prompt_max_tokens": preset.prompt_max_tokens, "sampled_fraction": preset.sampled_fraction,
             "multi_turn_fraction": preset.multi_turn_fraction, "val_fraction": preset.val_fraction,
             "dtype": str(model.tok_embeddings.weight.dtype).replace("torch.", "")}  # the target's, as it generated
-    todo = [n for n in range(n_shards) if not (data_dir / shard_name(n)).is_file()]
-    for n in tqdm(todo, desc="conversation shards", unit="shard"):
+    todo = [(n, name) for n, name in enumerate(shard_names(0, n_shards)) if not (data_dir / name).is_file()]
+    for n, name in tqdm(todo, desc="conversation shards", unit="shard"):
         t0 = time.time()
         convs = make_conversation_shard(model, tokenizer, preset, n, seed)
         minutes = (time.time() - t0) / 60
-        save_conversations(data_dir / shard_name(n), convs, {**meta, "shard": n, "minutes": minutes})
+        save_conversations(data_dir / name, convs, {**meta, "shard": n, "minutes": minutes})
         print(f"shard {n}: {len(convs)} conversations ({sum(c['turns'] == 2 for c in convs)} two-turn), "
               f"{sum(len(c['ids']) for c in convs)} tokens in {minutes:.1f} min", file=sys.stderr, flush=True)
 
 
-def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_top: int, max_tokens=8192):
-    """The teacher-forced features and top tokens of a shard's conversations: (features [T, F]
-    float16, top_ids [T, K] uint16, top_probs [T, K] float16) in the shard's token order, cached
-    as .npy files under cache_dir (memory-mapped when read) and recomputed when missing or made
-    from other ids. layer_ids: EAGLE-3's fused layers, or None for the final hidden state
-    (EAGLE-1/2, files named apart: both kinds of head may share a cache_dir)."""
+def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_top: int):
+    """(features [T, F] float16, top_ids [T, K] uint16, top_probs [T, K] float16) of a shard's tokens,
+    cached as .npy files (memory-mapped when read), recomputed when missing or made from other ids.
+    layer_ids None: the final hidden state (EAGLE-1/2, files named apart, so both share a cache_dir)."""
     s = load_conversation_arrays(shard)
     stamp = {"tokens": int(len(s["ids"])), "crc32": zlib.crc32(s["ids"].tobytes()),
              "layer_ids": None if layer_ids is None else list(layer_ids), "keep_top": keep_top}
     stem = shard.stem if layer_ids is not None else f"{shard.stem}.final"
-    names = [cache_dir / f"{stem}.{part}.npy" for part in ("features", "top_ids", "top_probs")]
+    parts = {part: cache_dir / f"{stem}.{part}.npy" for part in ("features", "top_ids", "top_probs")}
     stamp_file = cache_dir / f"{stem}.json"
     if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
         cache_dir.mkdir(parents=True, exist_ok=True)
         o = s["offsets"]
         seqs = [s["ids"][o[i]:o[i + 1]].astype(np.int64).tolist() for i in range(len(o) - 1)]
-        rows = target_features(model, seqs, layer_ids, keep_top, max_tokens)
+        rows = target_features(model, seqs, layer_ids, keep_top)
         width = model.config.dim * (1 if layer_ids is None else len(layer_ids))
-        T = sum(len(q) for q in seqs)
-        parts = [torch.cat([r["features"] for r in rows]) if rows else torch.zeros(0, width, dtype=torch.half),
-                 torch.cat([r["top_ids"] for r in rows]).to(torch.int32) if rows and keep_top
-                 else torch.zeros(T, keep_top),
-                 torch.cat([r["top_probs"] for r in rows]) if rows and keep_top else torch.zeros(T, keep_top)]
-        for name, array, dtype in zip(names, parts, (np.float16, np.uint16, np.float16)):
-            np.save(name.with_suffix(".tmp.npy"), array.numpy().astype(dtype))
-            os.replace(name.with_suffix(".tmp.npy"), name)
+        for (part, name), dtype in zip(parts.items(), (np.float16, np.uint16, np.float16)):
+            array = (torch.cat([r[part] for r in rows]).numpy() if rows and part in rows[0] else
+                     np.zeros((sum(map(len, seqs)), width if part == "features" else keep_top)))
+            replace_atomically(name, lambda tmp: np.save(tmp, array.astype(dtype)))
         stamp_file.write_text(json.dumps(stamp))
-    return tuple(np.load(name, mmap_mode="r") for name in names)
+    return tuple(np.load(name, mmap_mode="r") for name in parts.values())
 
 
 def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_top: int, shards=None):
-    """Training records {"ids", "learn", "features", "top_ids", "top_probs", "turns", "prompt"} of
-    every conversation in the shards (names, default all in data_dir), split into train and val;
-    features and top tokens are memory-mapped slices. learn[p]: the token after position p is an
-    assistant token. prompt: the ids up to the last answer (what a tau measurement starts from)."""
+    """Training records {"ids", "learn", "features", "top_ids", "top_probs", "turns", "prompt"} of the
+    shards' conversations (default: all in data_dir), split into train and val. learn[p]: the token
+    after p is an assistant token; prompt: the ids up to the last answer (where tau starts)."""
     data = {"train": [], "val": []}
     names = shards if shards is not None else sorted(p.name for p in data_dir.glob("conv_*.npz"))
     for name in tqdm(names, desc="features", unit="shard"):
@@ -626,29 +557,16 @@ def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_t
     return data
 
 
-# ---------------------------------------------------------------------------------------------
-# EAGLE-3's reduced vocabulary
-# ---------------------------------------------------------------------------------------------
-def token_counts(records, vocab_size: int) -> torch.Tensor:
-    """How often each token is an answer token (a learned position's next token)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for r in records:
-        ids, learn = np.asarray(r["ids"], dtype=np.int64), np.asarray(r["learn"], dtype=bool)
-        counts += np.bincount(ids[1:][learn[:-1]], minlength=vocab_size)
-    return torch.from_numpy(counts)
-
-
+# ---- EAGLE-3's reduced vocabulary
 def choose_vocab(counts: torch.Tensor, size: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The `size` most frequent answer tokens, in ascending id order (ties: lower id first); with
-    keep (a trained head's vocabulary, widened), keep's tokens first, then the most frequent others."""
+    """The `size` most frequent tokens (ties: lower id), ascending; keep's tokens (a head's, widened) first."""
     kept = set() if keep is None else set(keep.tolist())
     order = sorted(range(counts.numel()), key=lambda t: (t not in kept, -int(counts[t]), t))[:size]
     return torch.tensor(sorted(order), dtype=torch.long)
 
 
 def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
-    """The share of the target's argmax tokens at learned positions that the vocabulary holds:
-    guesses outside it cannot be drafted, so this bounds what the reduction costs."""
+    """The share of the target's argmax tokens at learned positions that vocab holds (the others cannot be drafted)."""
     inside = np.zeros(vocab_size, dtype=bool)
     inside[vocab.numpy()] = True
     hit = total = 0
@@ -659,19 +577,23 @@ def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
     return hit / max(1, total)
 
 
+def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """target token id -> its row in the draft vocabulary, -1 outside it."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab.cpu()] = torch.arange(len(vocab))
+    return index
+
+
 def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch.Tensor):
-    """The draft's LM head starts as the target's output rows (head_weight [vocab, dim]) for the
-    draft vocabulary, its final norm as the target's: from the first step its logits are the
-    target's own head read off the draft's output, instead of random."""
+    """The draft's LM head starts as the target's rows of its vocabulary, its final norm as the target's."""
     with torch.no_grad():
         draft.lm_head.weight.copy_(head_weight[draft.vocab.to(head_weight.device)])
         draft.norm.weight.copy_(norm_weight)
 
 
 def widen_vocab(draft: Eagle3Draft, vocab: torch.Tensor, head_weight: torch.Tensor) -> Eagle3Draft:
-    """A copy of a trained EAGLE-3 draft over `vocab` (ascending target ids holding the draft's
-    own: choose_vocab(counts, size, keep=draft.vocab)): its trained LM-head rows kept, a new
-    token's row the target's output row (head_weight [vocab, dim]), as warm_start does."""
+    """A copy of a trained draft over `vocab` (ascending, holding the draft's own tokens): trained LM-head
+    rows kept, a new token's row the target's (head_weight [vocab, dim])."""
     old = draft.vocab.cpu()
     vocab = vocab.cpu()
     at = torch.searchsorted(vocab, old)
@@ -689,12 +611,50 @@ def widen_vocab(draft: Eagle3Draft, vocab: torch.Tensor, head_weight: torch.Tens
     return wide
 
 
-# ---------------------------------------------------------------------------------------------
-# Stage 3: training
-# ---------------------------------------------------------------------------------------------
+# ---- Training
+def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: random.Random, groups=None):
+    """Batches of indices into lengths, length-sorted, of at most batch_tokens padded tokens. With groups
+    (a key per item, e.g. its turns) a batch holds one group: long two-turn conversations do not make
+    a batch of short one-turn ones wait."""
+    groups = groups or [0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (groups[i], lengths[i]))
+    batches, current = [], []
+    for i in order:
+        if current and (lengths[i] * (len(current) + 1) > batch_tokens or groups[i] != groups[current[-1]]):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def make_batches(records, batch_tokens: int, shuffle: bool, rng: random.Random):
+    """make_batches_by_length over records, one-turn and two-turn conversations apart."""
+    return make_batches_by_length([len(r["ids"]) for r in records], batch_tokens, shuffle, rng,
+                                  [r["turns"] for r in records])
+
+
+def pad_rows(records, key: str, dtype, fill=0) -> torch.Tensor:
+    """records[i][key] ([n_i, ...], numpy or memory-mapped) right-padded into one tensor [B, max n_i, ...]."""
+    rows = [r[key] for r in records]
+    out = np.full((len(rows), max(len(x) for x in rows), *rows[0].shape[1:]), fill, dtype=dtype)
+    for b, x in enumerate(rows):
+        out[b, :len(x)] = x
+    return torch.from_numpy(out)
+
+
+def collate(records, device):
+    """ids [B, n], features [B, n, F] and learn [B, n] (positions whose next token is an answer token)."""
+    return tuple(pad_rows(records, key, dtype).to(device)
+                 for key, dtype in (("ids", np.int64), ("features", np.float32), ("learn", bool)))
+
+
 class GrowingKV(torch.nn.Module):
-    """A functional stand-in for the draft's KV cache during training: each unrolled step's keys
-    and values are appended (no in-place writes, so autograd sees every step)."""
+    """The draft's KV cache in EAGLE-1/2 training: each unrolled step's keys and values appended, no
+    in-place writes, so autograd sees every step."""
 
     def __init__(self):
         super().__init__()
@@ -707,12 +667,10 @@ class GrowingKV(torch.nn.Module):
 
 
 def unrolled_mask(n: int, step: int, device) -> torch.Tensor:
-    """Which keys the queries of unrolled step `step` (1-based) see, as the draft sees them in a tree.
-
-    Step 1 entries are (f_t, x_{t+1}) with true features; step k > 1 entries (f^_t, x_{t+1}) use
-    the feature that step k - 1 predicted from position t - 1, like a depth-(k-1) tree node. Such an
-    entry at t sees the true entries up to t - k + 1 (the prefix), then the chain of its own guesses,
-    one entry per earlier step at t - k + j, then itself. Keys are all steps' entries, step-major."""
+    """Which keys the queries of unrolled step `step` (1-based) see, as in a tree. Step k > 1 entries
+    (f^_t, x_{t+1}) use the feature step k - 1 predicted at t - 1 (a depth-(k-1) node): the entry at t
+    sees the true entries up to t - k + 1, its chain of guesses (one per earlier step, at t - k + j),
+    then itself. Keys are all steps' entries, step-major."""
     t = torch.arange(n, device=device)
     blocks = [t[None, :] <= t[:, None] - step + 1]  # true prefix
     for j in range(2, step + 1):
@@ -720,65 +678,17 @@ def unrolled_mask(n: int, step: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def make_batches(records, batch_tokens: int, shuffle: bool, rng: random.Random):
-    """Length-sorted batches of at most batch_tokens padded tokens, one-turn and two-turn
-    conversations apart (records: dicts with "ids" and "turns")."""
-    return make_batches_by_length([len(r["ids"]) for r in records], batch_tokens, shuffle, rng,
-                                  [r["turns"] for r in records])
-
-
-def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: random.Random, groups=None):
-    """Batches of indices into lengths, length-sorted, of at most batch_tokens padded tokens. With
-    groups (one key per item, e.g. its number of turns) a batch holds one group only: long
-    two-turn conversations do not make a batch of short one-turn ones wait."""
-    groups = groups or [0] * len(lengths)
-    order = sorted(range(len(lengths)), key=lambda i: (groups[i], lengths[i]))
-    batches, current = [], []
-    for i in order:
-        longest = lengths[i]  # sorted by length: the newest item is the longest
-        if current and (longest * (len(current) + 1) > batch_tokens or groups[i] != groups[current[-1]]):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    if shuffle:
-        rng.shuffle(batches)
-    return batches
-
-
-def pad_rows(records, key: str, dtype, fill=0) -> torch.Tensor:
-    """records[i][key] (numpy arrays or memory-mapped slices, [n_i, ...]) right-padded with fill
-    into one tensor [B, max n_i, ...] of the numpy dtype: a copy out of the memory maps."""
-    rows = [r[key] for r in records]
-    out = np.full((len(rows), max(len(x) for x in rows), *rows[0].shape[1:]), fill, dtype=dtype)
-    for b, x in enumerate(rows):
-        out[b, :len(x)] = x
-    return torch.from_numpy(out)
-
-
-def collate(records, device):
-    """EAGLE-1/2 batch, right-padded: ids [B, n], features [B, n, F] and learn [B, n] (positions t
-    whose next token is an answer token)."""
-    return tuple(pad_rows(records, key, dtype).to(device)
-                 for key, dtype in (("ids", np.int64), ("features", np.float32), ("learn", bool)))
-
-
 def draft_losses(draft, embed, head, ids, feats, learn, preset: Preset, noise: bool):
-    """Per unrolled step: (weighted loss, SmoothL1, CE, top-1 accuracy of the predicted token).
-
-    The CE target is the target's next-token distribution restricted to its ce_topk most probable
-    tokens (renormalised; they hold nearly all of its mass). With z the draft's logits,
-    CE = logsumexp(z) - sum_i p_i z_i needs z in full only for the logsumexp: no [tokens, vocab]
-    products or copies, which would dominate a training step with a large vocabulary."""
+    """EAGLE-1/2, per unrolled step: (weighted loss, SmoothL1, CE, top-1 accuracy). The CE target is the
+    target's distribution over its ce_topk most probable tokens, and CE = logsumexp(z) - sum_i p_i z_i
+    needs no [tokens, vocab] products."""
     B, n = ids.shape
     m = n - 1  # draft positions t = 0 .. n-2: input (f_t, x_{t+1}), target f_{t+1}
     x_next = embed(ids[:, 1:])
     target = feats[:, 1:]
     learn = learn[:, :m]
-    # The CE runs on a random share of the learned positions: through a large vocabulary's head it
-    # costs far more than everything else, and the SmoothL1 term, on every position, carries most
-    # of the signal.
+    # The CE runs on a random share of the learned positions in training: through the LM head it costs
+    # far more than the rest, and the SmoothL1 term, on every position, carries most of the signal.
     ce_rows = torch.rand(int(learn.sum()), device=ids.device) < (preset.ce_fraction if noise else 1.0)
     with torch.no_grad():  # the target's next-token distribution there
         top_logits, top_tokens = head(target[learn][ce_rows]).topk(preset.ce_topk, dim=-1)
@@ -806,40 +716,15 @@ def draft_losses(draft, embed, head, ids, feats, learn, preset: Preset, noise: b
     return results
 
 
-def autocast(device, dtype: str):
-    """Training's and validation's autocast: bf16 where --dtype bfloat16, a no-op otherwise."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-
-
-@torch.no_grad()
-def validate(draft, target, data, preset: Preset, device, dtype: str):
-    draft.eval()
-    sums, count = None, 0
-    for batch in make_batches(data, preset.batch_tokens, False, random.Random(0)):
-        ids, feats, learn = collate([data[i] for i in batch], device)
-        with autocast(device, dtype):
-            res = draft_losses(draft, target.tok_embeddings, target.output, ids, feats, learn, preset, noise=False)
-        vals = torch.tensor([[l1, ce, acc] for _, l1, ce, acc in res])
-        sums = vals * len(batch) if sums is None else sums + vals * len(batch)
-        count += len(batch)
-    draft.train()
-    return sums / count  # [unroll, 3]: SmoothL1, CE, accuracy per step
-
-
-# ---------------------------------------------------------------------------------------------
-# EAGLE-3 training: the training-time test. Step 0 reads the target's fused features; step k
-# feeds the draft's own outputs of step k - 1 back, k tokens further on, exactly as a depth-k tree
-# node does at inference: at index t it holds (o^{k-1}_t, tok_{t+k+1}) at RoPE position t + k,
-# and sees the true entries up to t (the prefix) plus its own chain, the entries of steps 1 .. k
-# at index t. Its loss is the soft cross-entropy against the target's distribution at position
-# t + k + 1 restricted to the draft vocabulary, weighted unroll_decay ** k.
-# ---------------------------------------------------------------------------------------------
+# EAGLE-3's training-time test: step 0 reads the target's fused features; step k feeds the draft's
+# outputs of step k - 1 back, as a depth-k tree node does: at index t it holds (o^{k-1}_t, tok_{t+k+1})
+# at RoPE position t + k and sees the true entries up to t plus its own chain (steps 1 .. k at index t).
+# Its loss: the soft cross-entropy against the target's distribution at t + k + 1 over the draft
+# vocabulary, weighted unroll_decay ** k.
 def collate3(items, device, draft_index: torch.Tensor):
-    """Right-padded batch: ids [B, n]; features [B, n, F]; the target's top tokens as draft-vocab
-    indices [B, n, K] (-1: outside it) with their probabilities renormalised over the draft
-    vocabulary; answer [B, n]: positions whose next token is an answer token; learn [B, n]: those
-    of them the draft can say (the target's argmax lies in its vocabulary; the reference masks
-    the loss so). Items hold numpy arrays or memory-mapped slices (load_conversations)."""
+    """ids [B, n]; features [B, n, F]; the target's top tokens as draft-vocab indices [B, n, K] (-1:
+    outside it) with probabilities renormalised over the draft vocabulary; learn [B, n]: answer
+    positions whose target argmax the draft can say; answer [B, n]: all answer positions."""
     ids, feats, answer = collate(items, "cpu")
     real = torch.arange(ids.size(1)) < torch.tensor([len(r["ids"]) for r in items])[:, None]  # not padding
     top_idx = torch.where(real[..., None], draft_index[pad_rows(items, "top_ids", np.int64)], -1)
@@ -851,7 +736,7 @@ def collate3(items, device, draft_index: torch.Tensor):
 
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
-    """x[:, k:] padded at the end to x's length: index t of the result holds x[:, t + k]."""
+    """Index t of the result holds x[:, t + k] (fill past the end)."""
     if k == 0:
         return x
     pad = x.new_full((x.size(0), k, *x.shape[2:]), fill)
@@ -859,9 +744,8 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 
 
 def eagle3_unroll(draft, embed, ids, feats, unroll: int):
-    """The draft's outputs o^k [B, n, dim] of the unrolled steps k = 0 .. unroll - 1, all positions
-    of a step in one pass (attention written out: step 0 is causal over the true entries, a later
-    step also sees its own chain at the same index)."""
+    """The draft's outputs o^k [B, n, dim] of steps k = 0 .. unroll - 1, each step in one pass (attention
+    written out: causal over the true entries, plus the step's own chain at the same index)."""
     B, n = ids.shape
     layer, attn = draft.layer, draft.layer.attention
     H, KV, D = attn.n_head, attn.n_local_heads, attn.head_dim
@@ -897,9 +781,8 @@ def eagle3_unroll(draft, embed, ids, feats, unroll: int):
 
 def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, preset: Preset):
     """Per unrolled step k: (weighted loss, summed soft CE, hits, positions with a loss, answer
-    positions). The LM head and log-softmax run only on the positions that carry a loss (most
-    of a step's cost otherwise, and most positions are prompts or padding); an answer position
-    whose target token is outside the draft vocabulary is a miss without running them."""
+    positions). The LM head runs only where there is a loss; an answer whose target is outside the
+    draft vocabulary is a miss."""
     n = ids.size(1)
     t = torch.arange(n, device=ids.device)
     results = []
@@ -916,119 +799,107 @@ def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, prese
     return results
 
 
+def batch_losses(draft, target, items, preset: Preset, device, draft_index, training: bool):
+    """Either architecture's per-step losses on a batch (draft_index: EAGLE-3's vocabulary map)."""
+    if draft_index is not None:
+        return eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
+    return draft_losses(draft, target.tok_embeddings, target.output, *collate(items, device), preset, noise=training)
+
+
+def autocast(device, dtype: str):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
 @torch.no_grad()
-def validate3(draft, target, data, preset: Preset, device, dtype: str, draft_index):
-    """Per unrolled step: [soft CE, top-1 accuracy (out-of-vocabulary targets are misses), top-1
-    accuracy among targets in the vocabulary], over every answer token of data."""
+def validate(draft, target, data, preset: Preset, device, dtype: str, draft_index=None):
+    """Per unrolled step [unroll, 3]: EAGLE-1/2 [SmoothL1, CE, top-1 accuracy]; EAGLE-3 (draft_index)
+    [soft CE, top-1 accuracy (targets outside the vocabulary are misses), accuracy among those inside]."""
     draft.eval()
-    sums = torch.zeros(preset.unroll, 4)
-    for batch in make_batches_by_length([len(r["ids"]) for r in data], preset.batch_tokens, False, random.Random(0)):
+    eagle3 = draft_index is not None
+    lengths = [len(r["ids"]) for r in data]
+    sums, count = torch.zeros(preset.unroll, 4 if eagle3 else 3), 0
+    for batch in make_batches_by_length(lengths, preset.batch_tokens, False, None,
+                                        None if eagle3 else [r["turns"] for r in data]):
         with autocast(device, dtype):
-            res = eagle3_losses(draft, target.tok_embeddings, *collate3([data[i] for i in batch], device, draft_index),
-                                preset)
-        sums += torch.tensor([[float(x) for x in r[1:]] for r in res])
+            res = batch_losses(draft, target, [data[i] for i in batch], preset, device, draft_index, False)
+        if eagle3:
+            sums += torch.tensor([[float(x) for x in r[1:]] for r in res])
+        else:  # means of batches, weighted by their conversations
+            sums += torch.tensor([[l1, ce, acc] for _, l1, ce, acc in res]) * len(batch)
+            count += len(batch)
     draft.train()
+    if not eagle3:
+        return sums / count
     ce_sum, hits, n_sel, n_answer = sums.unbind(-1)
     return torch.stack([ce_sum / n_sel.clamp(min=1), hits / n_answer.clamp(min=1), hits / n_sel.clamp(min=1)], -1)
 
 
-def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """target token id -> its row in the draft vocabulary, -1 outside it."""
-    index = torch.full((vocab_size,), -1, dtype=torch.long)
-    index[vocab.cpu()] = torch.arange(len(vocab))
-    return index
-
-
-def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
-    """A trained head (either architecture) on this run's held-out conversations, as a validation
-    record has it: top-1 accuracy per unrolled step ("val_acc", over an EAGLE-3 head's own
-    vocabulary) and tau on tau_prompts ("val_tau", None without prompts). What a new head must beat
-    to be written out."""
-    setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
-    device = target.norm.weight.device
-    if isinstance(head, Eagle3Draft):
-        index = index_of_vocab(head.vocab, target.config.vocab_size)
-        acc = validate3(head, target, val, preset, device, dtype, index)[:, 1].tolist()
-    else:
-        acc = validate(head, target, val, preset, device, dtype)[:, 2].tolist()
-    tau = measure_tau(target, head, stop_ids, tau_prompts, preset.tau_max_tokens, tree_depth=preset.tau_depth)
-    return {"val_tau": tau, "val_acc": acc}
+def val_scores(draft, target, val, preset: Preset, dtype: str, draft_index) -> dict:
+    v = validate(draft, target, val, preset, target.norm.weight.device, dtype, draft_index)
+    names = ("val_ce", "val_acc", "val_acc_in_vocab") if draft_index is not None else \
+        ("val_smooth_l1", "val_ce", "val_acc")
+    return {name: v[:, i].tolist() for i, name in enumerate(names)}
 
 
 def val_score(val_acc, decay: float) -> float:
-    """What decides which head is shipped: the top-1 accuracy of each unrolled step on every held-out
-    answer token, weighted as the loss weights the steps (decay ** k). Not validation tau: tau on a
-    dozen prompts (a few hundred rounds) is too noisy to rank heads of near-equal skill."""
+    """What decides which head is shipped: each unrolled step's held-out top-1 accuracy, weighted as the
+    loss weights the steps. Not tau: on a dozen prompts it is too noisy to rank near-equal heads."""
     weights = [decay ** k for k in range(len(val_acc))]
     return sum(w * a for w, a in zip(weights, val_acc)) / sum(weights)
 
 
 @torch.no_grad()
-def measure_tau(target, draft, stop_ids, prompts, max_new_tokens=96, **tree):
-    """Mean accepted tokens per round of real EAGLE-2-tree decoding (greedy) on prompts (id lists);
-    None when no round ran (every answer stopped at its first token, as a barely trained tiny
-    target's may)."""
+def measure_tau(target, draft, stop_ids, prompts, preset: Preset):
+    """Mean accepted tokens per round of greedy EAGLE-2-tree decoding of prompts; None when no round ran."""
     draft = copy.deepcopy(draft).to(target.norm.weight.dtype)  # decode in the target's dtype
     draft.max_seq_length = -1  # training replaced the draft's KV cache: let the Speculator make one
-    spec = Speculator(target, draft, stop_ids=stop_ids, **tree)
+    spec = Speculator(target, draft, stop_ids=stop_ids, tree_depth=preset.tau_depth)
     rounds = []
     for ids in prompts:
         prompt = torch.tensor([list(map(int, ids))], device=target.norm.weight.device)
-        _, per_round = speculative_generate(spec, prompt, max_new_tokens)
-        rounds += per_round[0]
+        rounds += speculative_generate(spec, prompt, preset.tau_max_tokens)[1][0]
     return sum(rounds) / len(rounds) if rounds else None
 
 
 def setup_for_training(draft, max_len: int):
-    """RoPE tables for sequences of up to max_len tokens; the KV cache is swapped per batch."""
+    """RoPE tables for up to max_len tokens; the KV cache is swapped per batch."""
     draft.max_seq_length = -1
     draft.setup_caches(1, max_len)
 
 
-def make_draft(target, args, vocab=None, head_weight=None, init=None):
-    """The head training starts from: a copy of `init` (a trained head, --init_from), or a fresh
-    one: EAGLE-3 with the draft vocabulary `vocab`, warm-started from the target's LM head weight,
-    or EAGLE-1/2."""
+def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
+    """A trained head's "val_tau" and "val_acc" on this run's held-out data: what a new head must beat."""
+    setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
+    index = index_of_vocab(head.vocab, target.config.vocab_size) if isinstance(head, Eagle3Draft) else None
+    acc = val_scores(head, target, val, preset, dtype, index)["val_acc"]
+    return {"val_tau": measure_tau(target, head, stop_ids, tau_prompts, preset), "val_acc": acc}
+
+
+def make_draft(target, arch: str, vocab, head_weight, init):
+    """A copy of `init` (--init_from) or a fresh head (EAGLE-3: over vocab, its LM head warm-started)."""
     if init is not None:
-        draft = copy.deepcopy(init)
-        for p in draft.parameters():
-            p.requires_grad_(True)
-        return draft
-    if args.arch == "eagle3":
+        return copy.deepcopy(init).requires_grad_(True)
+    if arch == "eagle3":
         draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
         draft.vocab.copy_(vocab)
-        warm_start(draft, target.output.weight if head_weight is None else head_weight, target.norm.weight)
+        warm_start(draft, head_weight, target.norm.weight)
         return draft
     return EagleDraft(draft_config_for(target.config))
 
 
-def save_state(path: Path, state: dict):
-    """torch.save through a temporary file: a run killed while saving keeps the previous state."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None, on_eval=None, baseline=None,
-          head_weight=None, init=None):
-    """The training loop of both architectures. Validation (and tau on tau_prompts) after every
-    epoch and every eval_every steps; the state is saved every save_every steps, at every
-    validation and at max_steps, and --resume continues from it bit for bit (an epoch's batch
-    order is rebuilt from the random state saved at its start). on_eval(draft, state, ship) after
-    every validation: ship when the head's val_score beats the best so far and baseline's (the
-    scores of the heads it must beat). head_weight: the target's LM head weight (target.output may
-    be packed). init: the trained head to start from (--init_from). Returns (draft, state)."""
+def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab, on_eval, baseline, head_weight, init):
+    """Both architectures. Validation after every epoch and every eval_every steps, then on_eval(draft,
+    state, ship): ship when the head beats the best so far and baseline. The state is saved every
+    save_every steps, at every validation and at max_steps; --resume continues it bit for bit (an
+    epoch's batch order is rebuilt from the random state saved at its start)."""
     device = target.norm.weight.device
     torch.manual_seed(args.seed)
-    eagle3 = args.arch == "eagle3"
-    draft = make_draft(target, args, vocab, head_weight, init).to(device).train()
+    draft = make_draft(target, args.arch, vocab, head_weight, init).to(device).train()
     use_attention(draft)  # the attention kernels of the device it trains on
-    if eagle3:
-        draft_index = index_of_vocab(vocab, target.config.vocab_size)
+    index = index_of_vocab(vocab, target.config.vocab_size) if args.arch == "eagle3" else None
     lengths = [len(r["ids"]) for r in data["train"]]
     groups = [r["turns"] for r in data["train"]]
-    max_len = max(lengths + [len(r["ids"]) for r in data["val"]])
-    setup_for_training(draft, max_len + preset.unroll + 1)
+    setup_for_training(draft, max(lengths + [len(r["ids"]) for r in data["val"]]) + preset.unroll + 1)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
     rng = random.Random(args.seed)
@@ -1060,29 +931,22 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
         print(f"resuming at epoch {st['epoch']}, batch {st['batch']}, step {st['step']}", file=sys.stderr)
 
     def save():
-        save_state(state_file, {**st, "draft": draft.state_dict(), "opt": opt.state_dict(),
-                                "sched": sched.state_dict(), "torch_rng": torch.get_rng_state(),
-                                "preset": asdict(preset)})
+        state = {**st, "draft": draft.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "preset": asdict(preset)}
+        replace_atomically(state_file, lambda tmp: torch.save(state, tmp))
 
-    def evaluate(epoch_done: bool):
-        """Validation record of the current step (once per step: an epoch's end may share it)."""
+    def evaluate(epoch_done: bool):  # once per step: an epoch's end may share the record
         if st["history"] and st["history"][-1]["step"] == st["step"]:
             st["history"][-1]["epoch_end"] = st["history"][-1]["epoch_end"] or epoch_done
             return
         since, st["last_eval"] = st["last_eval"], len(st["losses"])
         record = {"step": st["step"], "epoch": round(st["epoch"] + st["batch"] / max(1, steps_per_epoch), 3),
                   "epoch_end": epoch_done, "train_minutes": round(st["seconds"] / 60, 2),
-                  "train_loss": sum(st["losses"][since:]) / max(1, len(st["losses"]) - since)}
-        if eagle3:
-            val = validate3(draft, target, data["val"], preset, device, args.dtype, draft_index)
-            record.update(val_ce=val[:, 0].tolist(), val_acc=val[:, 1].tolist(), val_acc_in_vocab=val[:, 2].tolist())
-        else:
-            val = validate(draft, target, data["val"], preset, device, args.dtype)
-            record.update(val_smooth_l1=val[:, 0].tolist(), val_ce=val[:, 1].tolist(), val_acc=val[:, 2].tolist())
+                  "train_loss": sum(st["losses"][since:]) / max(1, len(st["losses"]) - since),
+                  **val_scores(draft, target, data["val"], preset, args.dtype, index)}
         if tau_prompts:
             draft.eval()
-            record["val_tau"] = measure_tau(target, draft, stop_ids, tau_prompts, preset.tau_max_tokens,
-                                            tree_depth=preset.tau_depth)
+            record["val_tau"] = measure_tau(target, draft, stop_ids, tau_prompts, preset)
             draft.train()
         st["history"].append(record)
         print(json.dumps(record), file=sys.stderr, flush=True)
@@ -1091,8 +955,7 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
         ship = all(b is None or score > b for b in (st["best_score"], before))
         if ship:
             st["best_score"], st["shipped_step"] = score, st["step"]
-        if on_eval is not None:
-            on_eval(draft, st, ship)
+        on_eval(draft, st, ship)
 
     while st["epoch"] < preset.epochs:
         rng.setstate(st["epoch_rng"])
@@ -1101,13 +964,8 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
                    initial=st["batch"], total=len(batches), mininterval=30)
         for b in bar:
             t0 = time.time()
-            items = [data["train"][i] for i in batches[b]]
             with autocast(device, args.dtype):
-                if eagle3:
-                    res = eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
-                else:
-                    res = draft_losses(draft, target.tok_embeddings, target.output, *collate(items, device), preset,
-                                       noise=True)
+                res = batch_losses(draft, target, [data["train"][i] for i in batches[b]], preset, device, index, True)
             loss = sum(r[0] for r in res)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -1117,7 +975,7 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
             st["step"], st["batch"] = st["step"] + 1, b + 1
             st["losses"].append(loss.item())
             st["seconds"] += time.time() - t0
-            acc = [float(r[2]) / max(1, float(r[3])) for r in res] if eagle3 else [r[-1].item() for r in res]
+            acc = [float(r[2]) / max(1, float(r[3])) for r in res] if index is not None else [r[-1].item() for r in res]
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in acc),
                             lr=f"{sched.get_last_lr()[0]:.1e}", s_step=f"{time.time() - t0:.2f}", refresh=False)
             if st["batch"] == len(batches):
@@ -1128,55 +986,45 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab=None,
             if evaluating or st["step"] % preset.save_every == 0 or st["step"] == args.max_steps:
                 save()
             if st["step"] == args.max_steps:
-                return draft.eval(), st
+                return st
         st["epoch"], st["batch"], st["epoch_rng"] = st["epoch"] + 1, 0, rng.getstate()
         evaluate(True)
         save_draft(draft, args.work_dir / f"epoch_{st['epoch']:02d}", dtype=torch.bfloat16)
         save()
         if st["step"] == args.max_steps:
             break
-    return draft.eval(), st
+    return st
 
 
-# ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
-    p.add_argument("--arch", choices=sorted(PRESETS), default="eagle",
-                   help="eagle: an EAGLE-1/2 head; eagle3: an EAGLE-3 head (three fused layers, its own vocabulary)")
+    p.add_argument("--arch", choices=sorted(PRESETS), default="eagle", help="eagle: EAGLE-1/2; eagle3: EAGLE-3")
     p.add_argument("--preset", choices=sorted(PRESETS["eagle"]), default="smollm2-cpu")
     p.add_argument("--out_dir", type=Path, required=True, help="where the trained head is written")
-    p.add_argument("--work_dir", type=Path, default=None,
-                   help="resumable state, cached features, per-epoch heads (default: OUT_DIR.work)")
-    p.add_argument("--data_dir", type=Path, default=None,
-                   help="the conversation shards (default: WORK_DIR/conversations); eagle: train on them instead "
-                        "of one-turn answers")
-    p.add_argument("--cache_dir", type=Path, default=None,
-                   help="the shards' teacher-forced features (default: WORK_DIR/features), shared by runs on them")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the training state in WORK_DIR, bit for bit, over the shards it started on")
-    p.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps in all")
+    p.add_argument("--work_dir", type=Path, help="resumable state, features, per-epoch heads (default: OUT_DIR.work)")
+    p.add_argument("--data_dir", type=Path, help="conversation shards (default: WORK_DIR/conversations)")
+    p.add_argument("--cache_dir", type=Path, help="the shards' features (default: WORK_DIR/features), shareable")
+    p.add_argument("--resume", action="store_true", help="continue the training state in WORK_DIR, bit for bit")
+    p.add_argument("--max_steps", type=int, help="stop after this many optimizer steps in all")
     p.add_argument("--first_shard", type=int, default=0, help="train on shards FIRST_SHARD .. n_shards-1 only")
     p.add_argument("--data_only", action="store_true", help="write the conversation shards, then stop")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="the target's, for data and features, and training's autocast")
-    p.add_argument("--init_from", type=Path, default=None,
-                   help="start from this trained head (fresh optimizer and schedule); eagle3: its vocabulary is "
-                        "kept, or widened to a larger --draft_vocab_size")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the target's; autocast")
+    p.add_argument("--init_from", type=Path, help="start from this trained head (fresh optimizer and schedule)")
     p.add_argument("--tau_prompts", type=int, default=6, help="held-out prompts decoded for tau at each validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace the head in OUT_DIR (only by a better one)")
-    for name, field in Preset.__dataclass_fields__.items():  # every preset value can be overridden
-        p.add_argument(f"--{name}", type=type(field.default), default=None, help="a Preset value (see the dataclass)")
+    for name, field in Preset.__dataclass_fields__.items():
+        p.add_argument(f"--{name}", type=type(field.default), help="a Preset value")
     args = p.parse_args(argv)
     if not args.checkpoint_path.is_file():
         p.error(f"checkpoint not found: {args.checkpoint_path}")
     if (args.out_dir / "draft.safetensors").exists() and not args.force and not args.data_only:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
     args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
-    # EAGLE-3 always trains on conversation shards; an EAGLE-1/2 head on them when --data_dir names
-    # some, and otherwise on the one-turn Magpie answers it writes into its work dir.
+    # EAGLE-3 always trains on conversation shards; EAGLE-1/2 when --data_dir names some, otherwise
+    # on the one-turn answers it writes into its work dir.
     args.on_shards = args.arch == "eagle3" or args.data_dir is not None
     args.data_dir = args.data_dir or args.work_dir / "conversations"
     args.cache_dir = args.cache_dir or args.work_dir / "features"
@@ -1185,16 +1033,14 @@ def parse_args(argv=None):
                 f"{args.work_dir / 'train_state.pt'} to start over")
     if args.init_from is not None and not (args.init_from / "draft.safetensors").is_file():
         p.error(f"--init_from {args.init_from}: no draft.safetensors there")
-    preset = PRESETS[args.arch][args.preset]
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
-    preset = Preset(**{**asdict(preset), **overrides})
+    preset = replace(PRESETS[args.arch][args.preset], **overrides)
     if args.first_shard and not args.on_shards:
         p.error("--first_shard is for conversation shards (--arch eagle3, or --data_dir): an EAGLE-1/2 run "
                 "without them trains on all the answers it writes")
     if not 0 <= args.first_shard < preset.n_shards:
         p.error(f"--first_shard must be in [0, {preset.n_shards - 1}] (below --n_shards), got {args.first_shard}")
-    # A resumed run on shards keeps the ones it started on; asked for other shards, it would train
-    # the old list without a word (and a finished run would do nothing), so say what to do instead.
+    # A resumed run keeps the shards it started on: asked for others, say what to do instead.
     started = resumed_shards(args)
     asked = None if args.n_shards is None else shard_names(args.first_shard, args.n_shards)
     if started is not None and asked is not None and not args.data_only and started != asked:
@@ -1207,110 +1053,102 @@ def parse_args(argv=None):
 
 
 def resumed_shards(args):
-    """The shard list of the training state in the work dir, which --resume keeps; None when there
-    is no state to resume."""
+    """The shard list of the training state --resume continues; None without one."""
     used = args.work_dir / "train_data.json"
     if args.resume and used.is_file() and (args.work_dir / "train_state.pt").is_file():
         return json.loads(used.read_text())["shards"]
     return None
 
 
-def conversation_data(target, tokenizer, preset: Preset, args, layer_ids, keep_top: int):
-    """Stages 1-2 over the kept conversation shards, for either kind of head: shards up to n_shards
-    (the missing ones written first), their features (layer_ids: EAGLE-3's fused layers, or None for
-    the final hidden state of EAGLE-1/2), the training records and what the training record says
-    about them. The shards a training state was started on are kept when resuming (a later session
-    may have written more)."""
+def conversation_data(target, tokenizer, preset: Preset, args, vocab=None):
+    """Stages 1-2 on conversation shards: the missing ones up to n_shards written, their features, the
+    training records and what training.json says of them. EAGLE-3 also chooses its draft vocabulary
+    (or keeps `vocab`, --init_from's, widened by the most frequent tokens it lacks to a larger size)."""
+    eagle3 = args.arch == "eagle3"
     make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
     shards = resumed_shards(args)
     if shards is None:
         shards = shard_names(args.first_shard, preset.n_shards)
-    data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, keep_top, shards)
+    layer_ids = eagle3_layer_ids(target.config.n_layer) if eagle3 else None
+    data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, preset.keep_top if eagle3 else 0,
+                              shards)
     if not data["train"] or not data["val"]:
         raise SystemExit(f"no {'training' if not data['train'] else 'validation'} conversations in {args.data_dir}: "
                          f"raise --n_shards or --val_fraction")
-    train = data["train"]
+    train, val = data["train"], data["val"]
     info = {"data_dir": str(args.data_dir), "shards": shards, "train_conversations": len(train),
-            "val_conversations": len(data["val"]), "train_tokens": sum(len(r["ids"]) for r in train),
+            "val_conversations": len(val), "train_tokens": sum(len(r["ids"]) for r in train),
             "train_answer_tokens": int(sum(np.asarray(r["learn"]).sum() for r in train)),
             "two_turn_conversations": sum(r["turns"] == 2 for r in train)}
-    args.work_dir.mkdir(parents=True, exist_ok=True)
     (args.work_dir / "train_data.json").write_text(json.dumps({"shards": shards}))
-    return data, info
-
-
-def eagle3_data(target, tokenizer, preset: Preset, args, vocab=None):
-    """Stages 1-2 of EAGLE-3: conversation_data over the shards, and the draft vocabulary (chosen
-    from the data, or `vocab`: the one of the head training starts from, widened by the most
-    frequent tokens it lacks when the preset's size is larger)."""
-    layer_ids = eagle3_layer_ids(target.config.n_layer)
-    data, info = conversation_data(target, tokenizer, preset, args, layer_ids, preset.keep_top)
+    if not eagle3:
+        return data, None, info
     V = target.config.vocab_size
-    counts = token_counts(data["train"], V)
+    counts = np.zeros(V, dtype=np.int64)  # how often each token is an answer token
+    for r in train:
+        counts += np.bincount(np.asarray(r["ids"], dtype=np.int64)[1:][np.asarray(r["learn"], dtype=bool)[:-1]],
+                              minlength=V)
+    counts = torch.from_numpy(counts)
     size = min(preset.draft_vocab_size, V)  # what a vocabulary of this size, a half and a quarter of it hold
-    sizes = [max(1, size // 4), max(1, size // 2), size]
-    coverage = {str(s): vocab_coverage(data["val"], choose_vocab(counts, s), V) for s in sizes}
+    coverage = {str(s): vocab_coverage(val, choose_vocab(counts, s), V)
+                for s in (max(1, size // 4), max(1, size // 2), size)}
     print("draft vocabulary coverage of held-out target argmax tokens: "
           + ", ".join(f"{k}: {v:.2%}" for k, v in coverage.items()), file=sys.stderr)
     info.update({"draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
                  "coverage_of_val_argmax": coverage})
     if vocab is not None:
         info["vocab_from"] = str(args.init_from)
-        info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(data["val"], vocab, V)
+        info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(val, vocab, V)
     if vocab is None or preset.draft_vocab_size > len(vocab):
         vocab = choose_vocab(counts, preset.draft_vocab_size, keep=vocab)
     return data, vocab, info
+
+
+def load_init(args, target, preset: Preset):
+    """--init_from's head, the preset with its vocabulary size (EAGLE-3), and its lineage for training.json."""
+    init = load_draft(args.init_from, target.config, args.device, torch.float32)
+    if isinstance(init, Eagle3Draft) != (args.arch == "eagle3"):
+        kind = "an EAGLE-3" if isinstance(init, Eagle3Draft) else "an EAGLE-1/2"
+        raise SystemExit(f"--init_from {args.init_from} holds {kind} head, not one for --arch {args.arch}")
+    if args.arch == "eagle3":  # a larger --draft_vocab_size widens the head; a smaller one would drop rows
+        if args.draft_vocab_size is not None and args.draft_vocab_size < init.draft_vocab_size:
+            raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens; "
+                             f"--draft_vocab_size {args.draft_vocab_size} would drop some (only widening is supported)")
+        preset = replace(preset, draft_vocab_size=args.draft_vocab_size or init.draft_vocab_size)
+    record = {"dir": str(args.init_from)}
+    if (args.init_from / "training.json").is_file():  # its own lineage: what it had learned from
+        before = json.loads((args.init_from / "training.json").read_text())
+        record.update({k: before.get(k) for k in ("command", "steps", "shipped_step", "init_from")})
+        record["shards"] = before.get("data", {}).get("shards")
+    return init, preset, record
 
 
 def main(argv=None):
     args, preset = parse_args(argv)
     t0 = time.time()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    target = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype))
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target = load_model(args.checkpoint_path, args.device, getattr(torch, args.dtype)).requires_grad_(False)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     eagle3 = args.arch == "eagle3"
     head_weight = target.output.weight.detach()  # (the warm start reads it; packing makes it opaque)
-    # Eager bf16 on a CPU: weights in oneDNN's layout once, instead of reordered at every call (a
-    # no-op elsewhere). Training needs no gradient through the target's layers; an EAGLE-1/2 head's
-    # loss runs through the target's LM head, which stays a plain linear.
+    # Eager bf16 on a CPU: weights in oneDNN's layout once (a no-op elsewhere). An EAGLE-1/2 head's loss
+    # runs through the target's LM head, which stays a plain linear.
     pack_linears(target if eagle3 else target.layers)
-
-    init, init_record = None, None
     if eagle3 and args.draft_vocab_size is not None and not 1 <= args.draft_vocab_size <= target.config.vocab_size:
         raise SystemExit(f"--draft_vocab_size must be in [1, {target.config.vocab_size}] (the target's vocabulary), "
                          f"got {args.draft_vocab_size}")
+    init, init_record = None, None
     if args.init_from is not None and not args.data_only:
-        init = load_draft(args.init_from, target.config, args.device, torch.float32)
-        if isinstance(init, Eagle3Draft) != eagle3:
-            kind = "an EAGLE-3" if isinstance(init, Eagle3Draft) else "an EAGLE-1/2"
-            raise SystemExit(f"--init_from {args.init_from} holds {kind} head, not one for --arch {args.arch}")
-        if eagle3:
-            # A larger --draft_vocab_size widens the head (widen_vocab, once the data's token counts are
-            # known); a smaller one would throw trained rows away: refused.
-            if args.draft_vocab_size is not None and args.draft_vocab_size < init.draft_vocab_size:
-                raise SystemExit(f"--init_from {args.init_from} drafts over {init.draft_vocab_size} tokens; "
-                                 f"--draft_vocab_size {args.draft_vocab_size} would drop some (only widening is "
-                                 f"supported)")
-            preset = replace(preset, draft_vocab_size=args.draft_vocab_size or init.draft_vocab_size)
-        init_record = {"dir": str(args.init_from)}
-        if (args.init_from / "training.json").is_file():  # its own lineage: what it had learned from
-            before = json.loads((args.init_from / "training.json").read_text())
-            init_record.update({k: before.get(k) for k in ("command", "steps", "shipped_step", "init_from")})
-            init_record["shards"] = before.get("data", {}).get("shards")
+        init, preset, init_record = load_init(args, target, preset)
+
     if args.on_shards:
         if args.data_only:
-            make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
-            return
-        if eagle3:
-            init_vocab = None if init is None else init.vocab.cpu()
-            data, vocab, info_data = eagle3_data(target, tokenizer, preset, args, init_vocab)
-            if init is not None and len(vocab) > init.draft_vocab_size:
-                init_record["widened_from_vocab_size"] = init.draft_vocab_size
-                init = widen_vocab(init, vocab, head_weight)
-        else:  # an EAGLE-1/2 head on the conversations kept for EAGLE-3: the final hidden state only
-            (data, info_data), vocab = conversation_data(target, tokenizer, preset, args, None, 0), None
+            return make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
+        data, vocab, info_data = conversation_data(target, tokenizer, preset, args,
+                                                   init.vocab.cpu() if eagle3 and init is not None else None)
+        if init is not None and eagle3 and len(vocab) > init.draft_vocab_size:
+            init_record["widened_from_vocab_size"] = init.draft_vocab_size
+            init = widen_vocab(init, vocab, head_weight)
         tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     else:
         prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
@@ -1333,18 +1171,16 @@ def main(argv=None):
     for layer in target.layers:
         layer.attention.kv_cache = None
 
-    # What a new head must beat to be written to out_dir, on the same conversations and prompts:
-    # the head there now (--force), and the head training starts from (--init_from), so that a
-    # continuation that made it worse is not shipped. The better of the two is the bar; a resumed
-    # run kept it in its state.
+    # The bar a new head must beat, on the same held-out data: the better of the head in out_dir
+    # (--force) and the one training starts from (--init_from). A resumed run kept it in its state.
     baseline = None
     if not (args.work_dir / "train_state.pt").is_file():
-        heads = {}  # resolved path -> (the path as given, the head)
+        heads = {}  # resolved path -> (the path as given, the head): one directory is measured once
         if (args.out_dir / "draft.safetensors").exists():
             heads[args.out_dir.resolve()] = args.out_dir, load_draft(args.out_dir, target.config, args.device,
                                                                      torch.float32)
         if init is not None:
-            heads[args.init_from.resolve()] = args.init_from, init  # (the same directory as out_dir: measured once)
+            heads[args.init_from.resolve()] = args.init_from, init
         for path, head in heads.values():
             scores = {"dir": str(path), **head_scores(head, target, data["val"], tau_prompts, tokenizer.stop_ids,
                                                       preset, args.dtype)}
@@ -1354,39 +1190,39 @@ def main(argv=None):
                                     val_score(baseline["val_acc"], preset.unroll_decay)):
                 baseline = scores
 
-    def record(st):
+    def write_record(st, *dirs):
         curve = [sum(st["losses"][i:i + 25]) / len(st["losses"][i:i + 25]) for i in range(0, len(st["losses"]), 25)]
-        return {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
-                "init_from": init_record, "target": str(args.checkpoint_path),
-                "device": args.device, "dtype": args.dtype, "hardware": platform.processor() or platform.machine(),
-                "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "data": info_data,
-                "steps": st["step"], "shipped_step": st["shipped_step"], "baseline": st["baseline"],
-                "train_minutes": st["seconds"] / 60, "data_minutes_this_run": data_minutes,
-                "train_loss_per_25_steps": curve, "history": st["history"]}
+        record = {"command": " ".join(sys.argv), "arch": args.arch, "preset": args.preset, "settings": asdict(preset),
+                  "init_from": init_record, "target": str(args.checkpoint_path),
+                  "device": args.device, "dtype": args.dtype, "hardware": platform.processor() or platform.machine(),
+                  "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "data": info_data,
+                  "steps": st["step"], "shipped_step": st["shipped_step"], "baseline": st["baseline"],
+                  "train_minutes": st["seconds"] / 60, "data_minutes_this_run": data_minutes,
+                  "train_loss_per_25_steps": curve, "history": st["history"]}
+        for d in dirs:
+            (d / "training.json").write_text(json.dumps(record, indent=1))
 
     def on_eval(draft, st, ship):
-        (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
+        write_record(st, args.work_dir)
         if ship:
             save_draft(draft, args.out_dir, dtype=torch.bfloat16)
-            (args.out_dir / "training.json").write_text(json.dumps(record(st), indent=1))
+            write_record(st, args.out_dir)
             last = st["history"][-1]
             print(f"step {st['step']}: wrote {args.out_dir} (validation score {last['val_score']:.4f}, "
                   f"tau {last.get('val_tau')})", file=sys.stderr, flush=True)
 
-    _, st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval,
-                               baseline, head_weight, init)
-    (args.work_dir / "training.json").write_text(json.dumps(record(st), indent=1))
-    if st["shipped_step"] is not None:
-        (args.out_dir / "training.json").write_text(json.dumps(record(st), indent=1))
-        print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps, head of step {st['shipped_step']} in "
-              f"{args.out_dir}", file=sys.stderr)
+    st = train(target, data, tau_prompts, tokenizer.stop_ids, preset, args, vocab, on_eval, baseline, head_weight,
+               init)
+    shipped, bar = st["shipped_step"] is not None, st["baseline"]
+    write_record(st, args.work_dir, *([args.out_dir] if shipped else []))
+    if shipped:
+        outcome = f"head of step {st['shipped_step']} in {args.out_dir}"
+    elif bar is None:
+        outcome = f"no validation ran: {args.out_dir} left as it was"
     else:
-        bar = st["baseline"]
-        why = "no validation ran" if bar is None else (
-            f"no head beat the head in {bar.get('dir', args.out_dir)} (validation score "
-            f"{val_score(bar['val_acc'], preset.unroll_decay):.4f})")
-        print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps; {why}: {args.out_dir} left as it was",
-              file=sys.stderr)
+        outcome = (f"no head beat the head in {bar.get('dir', args.out_dir)} (validation score "
+                   f"{val_score(bar['val_acc'], preset.unroll_decay):.4f}): {args.out_dir} left as it was")
+    print(f"done in {(time.time() - t0) / 3600:.2f} h: {st['step']} steps, {outcome}", file=sys.stderr)
 
 
 if __name__ == "__main__":
