@@ -1,55 +1,42 @@
-"""The most tokens a round could accept at a temperature, whatever the draft: the τ of a perfect
-draft, as a ceiling for a head's measured τ.
+"""The most tokens a round could accept at a temperature, whatever the draft: the τ of a perfect draft,
+a ceiling for a head's measured τ.
 
     python research/acceptance_bound.py --num_questions 16 --max_new_tokens 128 --temperature 1 --stride 16 \\
         --out /tmp/acceptance_bound-t1
 
-At T > 0 a round accepts its guesses by speculative.accept's walk, in which each step emits exactly
-a sample of the target. So what a round with tree S accepts is distributed as the longest prefix of
-the target's own continuation that S holds, and its expected length is the sum over S's nodes of
-the target's probability of that node's path (the product of its probabilities along it). The best
-tree of n nodes holds the n most probable paths (a path is never more probable than its prefix, so
-they form a tree), and
+At T > 0 speculative.accept's walk emits exactly a sample of the target, so a round with tree S accepts
+the longest prefix of the target's own continuation that S holds; its expected length is the sum over
+S's nodes of the probability of the node's path. A path is never more probable than its prefix, so the
+best n-node tree holds the n most probable paths, and
 
     τ_max(n) = 1 + the sum of the n - 1 largest path probabilities below the root
 
-(the root, the token the last round emitted, is one of the n verified tokens; the 1 is the bonus
-token every round emits). No draft of any quality, trained on any data, reaches more with n-token
-trees on that context; EAGLE-2's trees (at most top_k children a node, at most depth levels) are
-further restricted, so --top_k/--max_depth give the bound for those too.
+(the root, the last round's token, is one of the n verified tokens; the 1 is the bonus token). No draft
+reaches more with n-token trees on that context; --top_k/--max_depth give the bound for EAGLE-2's
+restricted trees, and --head the τ of a head's tree of that shape, by the same exact sum (no sampling
+noise, so heads and settings compare directly).
 
-Contexts: vanilla sampled answers (at --temperature, --seed) to MT-bench's turns, asked as
-scripts/benchmark.py asks them (turn 2 follows the turn-1 answer); a round is taken to start after
-every --stride-th answer token. These are averages over positions; a measured τ averages over
-rounds, and rounds are denser where guesses fail (a round that accepts little is soon followed by
-the next), so a measured τ sits below the same head's average over positions. Compare heads with
-bounds here, on the same contexts.
-Writes OUT.json and OUT.md.
-
-With --head, also the τ a head's tree (the restricted bound's shape) has on the same contexts on
-average, by the same sum over its nodes: exact for each tree, so heads, shapes and settings compare
-without the sampling noise of a measured τ.
+Contexts: vanilla's sampled answers to MT-bench's turns, asked as scripts/benchmark.py asks them, cut
+after every --stride-th answer token. These average over positions; a measured τ averages over rounds,
+which are denser where guesses fail, so it sits below the same head's average here. Compare heads on
+these bounds, on the same contexts. Writes OUT.json and OUT.md.
 """
 import argparse
-import json
-import shlex
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import torch
-
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "research")]
 
 import generate as gen  # noqa: E402
-from autoshape import cpu_name  # noqa: E402
 from benchmark import DEFAULT_QUESTIONS, conversation, load_questions  # noqa: E402  (MT-bench as benchmark.py asks it)
 from checkpoint import load_draft, load_model  # noqa: E402
+from profile_round import run_header, write_report  # noqa: E402
 from model import Transformer, TreeMask  # noqa: E402
 from sampling import logits_to_probs  # noqa: E402
 from speculative import Speculator  # noqa: E402
@@ -158,9 +145,7 @@ def parse_args(argv=None):
     p.add_argument("--restricted_tokens", type=int, default=60, help="the restricted bound's tree tokens")
     p.add_argument("--top_k", type=int, default=10, help="the restricted bound: children a node")
     p.add_argument("--max_depth", type=int, default=8, help="the restricted bound: levels below the root")
-    p.add_argument("--head", type=Path, default=None,
-                   help="a draft head: also report the mean τ of its trees (the restricted bound's shape) on the "
-                        "same contexts, exact for each tree (no sampling noise)")
+    p.add_argument("--head", type=Path, help="a draft head: also the mean τ of its trees (the restricted shape)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
@@ -199,8 +184,7 @@ def main(argv=None):
         if spec is not None:
             rows[-1]["head"] = head_tree_tau(spec, c["ids"])
     report = summarise(args, argv, rows, sizes, restricted_size, time.perf_counter() - start)
-    write(args.out, report)
-    print(Path(str(args.out) + ".md").read_text())
+    write_report(args.out, report, markdown(report))
 
 
 def sampled_contexts(model: Transformer, tokenizer, questions: list, max_new_tokens: int, temperature: float,
@@ -238,17 +222,14 @@ def summarise(args, argv, rows, sizes, restricted_size, seconds) -> dict:
             by_category[cat]["head_" + restricted.removeprefix("tau_max_")] = mean(lambda r: r["head"], mine)
         by_category[cat]["first_guess_accepted"] = mean(lambda r: r["first_guess"], mine)
     return dict(
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), hardware=cpu_name(), torch=torch.__version__,
-        command="python research/acceptance_bound.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        run_header("acceptance_bound.py", argv),
         checkpoint=str(args.checkpoint_path), head=None if args.head is None else str(args.head),
         temperature=args.temperature, num_questions=args.num_questions,
         max_new_tokens=args.max_new_tokens, stride=args.stride, seed=args.seed, seconds=round(seconds, 1),
         by_category=by_category)
 
 
-def write(out: Path, report: dict):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(str(out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+def markdown(report: dict) -> str:
     columns = [k for k in report["by_category"]["overall"] if k != "contexts"]
     lines = [f"# The τ of a perfect draft, T={report['temperature']:g}", "",
              f"{report['hardware']}, torch {report['torch']}, {report['date']}; {report['num_questions']} MT-bench "
@@ -257,7 +238,7 @@ def write(out: Path, report: dict):
              "| category | contexts | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     for cat, r in report["by_category"].items():
         lines.append(f"| {cat} | {r['contexts']} | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |")
-    Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

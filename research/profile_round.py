@@ -1,20 +1,17 @@
-"""Where a speculative round's time goes, on this machine: catch-up, each tree level (draft
-forward and LM head), verify, accept, compaction, bookkeeping and the rest (Python and framework
-overhead), next to one vanilla decode step in the same dtype and mode.
+"""Where a speculative round's time goes: catch-up, each tree level (draft forward and LM head),
+verify, accept, compaction, bookkeeping and the Python between them, beside one plain decode step.
 
-    python research/profile_round.py --speculate eagle3 --dtype bfloat16 --tree_tokens 16 \\
-        --out /tmp/profile_round-cpu-bf16
+    python research/profile_round.py --speculate eagle3 --dtype bfloat16 --tree_tokens 16 --out /tmp/profile_round
 
-Eager: torch.profiler over --rounds rounds, each phase of Speculator.round (and each draft
-forward and LM-head pass inside the tree growth) labelled with record_function; a label's time is
-its wall time, its "self" time what no operator inside it accounts for (Python and dispatch).
---compile: the whole compiled round (one graph) timed against the compiled vanilla step, and each
-phase compiled on its own and timed, to show which phases compilation speeds up. Rounds run on
-real chat prompts; every round starts from the state the previous one left (a real decode).
-Writes OUT.json and OUT.md.
+Eager: torch.profiler over --rounds rounds, each phase labelled with record_function (a label's "self"
+time is what no operator inside it accounts for: Python and dispatch). --compile: the whole round as one
+graph against the compiled plain step, and each phase compiled and timed on its own. Rounds decode real
+chat prompts, each from the state the previous one left. Writes OUT.json and OUT.md. The helpers below
+are shared with the other research tools.
 """
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -46,32 +43,55 @@ DEPTH = {"eagle2": 6, "eagle3": defaults.EAGLE3_DEPTH}  # the papers' tree depth
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
-    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="default: eagle/ (eagle2) or eagle3/ (eagle3) beside the checkpoint")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="default: eagle/ or eagle3/ beside the checkpoint")
     p.add_argument("--speculate", choices=sorted(DEPTH), default="eagle3")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default=None,
-                   help="eagle3: the head's dtype (default: --dtype)")
+    p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], help="eagle3: the head's dtype (default: --dtype)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--batch_invariant", action="store_true", help="the target in batch-invariant mode")
     p.add_argument("--tree_top_k", type=int, default=10)
-    p.add_argument("--tree_depth", type=int, default=None, help="default: 6 for eagle2, 8 for eagle3")
+    p.add_argument("--tree_depth", type=int, help="default: 6 for eagle2, 8 for eagle3")
     p.add_argument("--tree_tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=24)
-    p.add_argument("--context", type=int, default=512,
-                   help="tokens the caches hold (compiled attention reads all of them)")
+    p.add_argument("--context", type=int, default=512, help="cache slots (compiled attention reads all of them)")
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = p.parse_args(argv)
     if args.draft_dtype is not None and args.speculate != "eagle3":
         p.error("--draft_dtype sets the dtype of an EAGLE-3 head; EAGLE-1/2 heads use the target's LM head")
-    args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / gen.SPECULATE[
-        args.speculate]["folder"]
+    folder = gen.SPECULATE[args.speculate]["folder"]
+    args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / folder
     args.tree_depth = args.tree_depth or DEPTH[args.speculate]
     if args.batch_invariant:
         problem = invariant.problem("cpu", args.dtype, args.compile, mode_from_path(args.checkpoint_path)[0], False)
         if problem:
             p.error(problem)
     return args
+
+
+def run_header(script: str, argv) -> dict:
+    """What every research report starts with: the command, when, and on what."""
+    return dict(command=f"python research/{script} " + shlex.join(sys.argv[1:] if argv is None else argv),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=cpu_name(),
+                torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def write_report(out: Path, report: dict, markdown: str):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    Path(str(out) + ".md").write_text(markdown)
+    print(markdown)
+
+
+def load_pair(args, draft_dtype, batch_invariant: bool) -> tuple:
+    """The target and head on the CPU in args.dtype, as generate.py runs them (eager: packed for oneDNN)."""
+    model = load_model(args.checkpoint_path, "cpu", getattr(torch, args.dtype))
+    if batch_invariant:
+        invariant.enable(model)
+    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, draft_dtype))
+    if not args.compile:
+        pack_linears(model)
+        pack_linears(draft)
+    return model, draft
 
 
 def make_speculator(args, model, draft):
@@ -86,8 +106,8 @@ def prompt_ids(tokenizer, i):
 
 
 def rounds_from(spec, tokenizer, n, round_fn, before=None):
-    """n rounds, restarting from a fresh prompt every 16 (so the cache never fills); before() runs
-    before each round (to reset per-round counters). Returns the seconds of each round."""
+    """The seconds of each of n rounds, from a fresh prompt every 16 (the cache never fills); before()
+    runs before each round."""
     seconds = []
     for i in range(n):
         if i % 16 == 0:
@@ -101,18 +121,23 @@ def rounds_from(spec, tokenizer, n, round_fn, before=None):
 
 
 @torch.no_grad()
-def vanilla_step_seconds(model, step, prompt, context: int, n=20) -> float:
-    """The median time of n decode steps `step` (generate.decode_one_token's signature) after prompt."""
-    model.setup_caches(1, context)
+def step_seconds(model, step, prompt, n: int) -> list:
+    """The seconds of each of n plain decode steps (`step`: decode_one_token's signature) after prompt."""
     token = gen.prefill(model, prompt, 0.0, None, None)
     pos = torch.tensor([prompt.size(1)])
-    times = []
-    for _ in range(n + 3):
+    seconds = []
+    for _ in range(n):
         t = time.perf_counter()
         token = step(model, token.clone(), pos, 0.0, None, None)
-        times.append(time.perf_counter() - t)
+        seconds.append(time.perf_counter() - t)
         pos += 1
-    return statistics.median(times[3:])
+    return seconds
+
+
+def vanilla_step_seconds(model, step, prompt, context: int, n=20) -> float:
+    """The median of n decode steps after 3 more to warm up."""
+    model.setup_caches(1, context)
+    return statistics.median(step_seconds(model, step, prompt, n + 3)[3:])
 
 
 def labelled(name, fn):
@@ -181,10 +206,8 @@ def profile_eager(args, model, draft, tokenizer) -> dict:
 
 @torch.no_grad()
 def profile_compiled(args, model, draft, tokenizer) -> dict:
-    """The compiled round (one graph), and each phase compiled as a graph of its own and timed in
-    a phased round (each phase's time includes the call of its graph: a little above its share of
-    the one-graph round). Compiled as generate.py compiles (compiling.compile_function: on a CPU,
-    frozen weights and C++ GEMM templates)."""
+    """The round compiled as one graph (as generate.py compiles it), and each phase compiled on its own
+    and timed in a phased round: each includes its graph's call, a little above its share of the whole."""
     spec = make_speculator(args, model, draft)
 
     def compiled(fn):
@@ -223,33 +246,20 @@ def profile_compiled(args, model, draft, tokenizer) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    dtype = getattr(torch, args.dtype)
-    model = load_model(args.checkpoint_path, "cpu", dtype)
-    if args.batch_invariant:
-        invariant.enable(model)
-    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.draft_dtype or args.dtype))
+    model, draft = load_pair(args, args.draft_dtype or args.dtype, args.batch_invariant)
     gen.check_head(args.speculate, draft, args.draft_checkpoint_path)
-    if not args.compile:  # as generate.py runs eager mode: half-precision weights prepacked for oneDNN
-        pack_linears(model)
-        pack_linears(draft)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     probe = prompt_ids(tokenizer, 0)
-    report = dict(command="python research/profile_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), hardware=cpu_name(),
-                  torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype,
-                  batch_invariant=args.batch_invariant, draft_dtype=args.draft_dtype or args.dtype,
-                  speculate=args.speculate, tree=dict(top_k=args.tree_top_k, depth=args.tree_depth,
-                                                      tokens=args.tree_tokens))
+    report = dict(run_header("profile_round.py", argv), dtype=args.dtype, batch_invariant=args.batch_invariant,
+                  draft_dtype=args.draft_dtype or args.dtype, speculate=args.speculate,
+                  tree=dict(top_k=args.tree_top_k, depth=args.tree_depth, tokens=args.tree_tokens))
     report["vanilla_step_ms_eager"] = vanilla_step_seconds(model, gen.decode_one_token, probe, args.context) * 1e3
     report["eager"] = profile_eager(args, model, draft, tokenizer)
     if args.compile:
         step = compiling.compile_step(gen.decode_one_token, "cpu", model)
         report["vanilla_step_ms_compiled"] = vanilla_step_seconds(model, step, probe, args.context) * 1e3
         report["compiled"] = profile_compiled(args, model, draft, tokenizer)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(str(args.out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
-    Path(str(args.out) + ".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report))
 
 
 def markdown(report) -> str:

@@ -1,30 +1,20 @@
-"""Speed of plain decoding and of EAGLE speculative decoding on MT-bench, side by side.
+"""Plain decoding against EAGLE speculative decoding: on MT-bench, or on random weights of a real shape.
 
     python scripts/benchmark.py --compile --num_questions 16 --max_new_tokens 128 --methods eagle2 eagle3
-
-Methods, run in one process on the same prompts (a question's later turns follow vanilla's answers),
-at each of --temperatures; an answer's time is the whole call, prefill included:
-    vanilla  one target forward per token: the reference for speed and for output equality
-    chain    the EAGLE-1/2 head without a tree: a chain of --chain_depth guesses per round
-    eagle    EAGLE-1's static tree mc_sim_7b_63
-    eagle2   EAGLE-2's dynamic tree (--tree_top_k, --tree_depth, --tree_tokens; "auto" measures)
-    eagle3   an EAGLE-3 head (--draft3_checkpoint_path) growing the dynamic tree (--tree_depth3)
-    lookup   prompt lookup alone (--lookup_alone guesses a round), no head
-    eagle2+lookup, eagle3+lookup   the tree plus --lookup nodes of lookup's guesses, decoded adaptively
-More rows: --peers (transformers' generate and its prompt lookup, same weights), --eager_float32 (a
-float32 copy, eager) and, with --batch_invariant, a copy without the mode (what the mode costs).
-Writes OUT.json (a record per method x temperature x category, every answer with its token ids),
-OUT.md and OUT.png (speedups; needs matplotlib, or pass --no_plot).
-
     python scripts/benchmark.py --random_weights --model_name llama-2-7b --compile
 
-Random weights of a real shape (a model.py config name, or a JSON file {"model": {ModelArgs fields}}),
-made on the device: (a) plain decoding's tok/s and weight bandwidth, beside a device-to-device copy;
-(b) one round of eagle, eagle2 and eagle3 (random heads) at each --tree_sizes against one plain step
-timed the same way: compiled with --compile, else CUDA-graph replays of the eager code on CUDA, eager
-on a CPU; (c) the speedups they predict for each --tau; (d) with --tp_timing under torchrun, the step
-without its all-reduces and the all-reduces alone. Both modes run tensor-parallel under torchrun
-(tp.py; rank 0 writes). Results and their commands: benchmarks/RESULTS.md.
+MT-bench: every method in one process on the same prompts (later turns continue vanilla's answers), at
+each of --temperatures. vanilla: one target forward per token; chain: the EAGLE-1/2 head guessing
+--chain_depth tokens; eagle: EAGLE-1's static tree; eagle2, eagle3: the dynamic tree (--tree_tokens auto
+measures its shape); lookup: prompt lookup alone; eagle2+lookup, eagle3+lookup: the tree plus --lookup
+prompt-lookup nodes, decoded adaptively. More rows: --peers (transformers' generate), --eager_float32,
+and with --batch_invariant plain decoding without the mode (its cost).
+
+Random weights: (a) plain decoding's weight GB/s beside a device copy; (b) a round of eagle, eagle2 and
+eagle3 at each --tree_sizes against a plain step timed the same way (compiled, else CUDA-graph replays on
+CUDA, eager on a CPU); (c) the speedups these predict for each --tau; (d) with --tp_timing under torchrun,
+the step without its all-reduces and the all-reduces alone. Both modes run tensor-parallel under torchrun
+and write OUT.json (MT-bench: every answer's token ids) and OUT.md. Results: benchmarks/RESULTS.md.
 """
 import argparse
 import importlib.util
@@ -47,7 +37,7 @@ import generate as gen  # noqa: E402
 import invariant  # noqa: E402
 import tp  # noqa: E402
 from attention import use_attention  # noqa: E402
-from autoshape import AUTO_TOP_K, auto_shape, cpu_name, file_key, machine_key, probe_prompts  # noqa: E402
+from autoshape import AUTO_TOP_K, auto_shape, cpu_name, probe_prompts  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from compiling import compile_prefill, compile_round, compile_step, cuda_graph, device_sync  # noqa: E402
 from cpu import pack_linears  # noqa: E402
@@ -60,22 +50,21 @@ from trees import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
 HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3", "lookup": None,
-           "eagle2+lookup": "eagle", "eagle3+lookup": "eagle3"}  # the head a method runs (lookup: none)
+           "eagle2+lookup": "eagle", "eagle3+lookup": "eagle3"}  # the head each method runs
 ADAPTIVE = ("eagle2+lookup", "eagle3+lookup")  # decoded with speculative_generate(adaptive=True)
-PEERS = ("hf", "hf_prompt_lookup")  # --peers: transformers, after our methods
-EAGER_FLOAT32 = "vanilla_eager_float32"  # --eager_float32: plain decoding of a float32 copy, eager
-NOT_INVARIANT = "vanilla_not_invariant"  # --batch_invariant: plain decoding of a copy without the mode
-RANDOM_METHODS = ("eagle", "eagle2", "eagle3")  # random-weights mode: one round of each
-TREE_TOP_K, TREE_TOKENS = 10, 60  # the papers' dynamic tree; depth 6, and 8 for EAGLE-3 (its paper's)
+PEERS = ("hf", "hf_prompt_lookup")  # --peers
+EAGER_FLOAT32 = "vanilla_eager_float32"  # --eager_float32
+NOT_INVARIANT = "vanilla_not_invariant"  # --batch_invariant: plain decoding without the mode
+RANDOM_METHODS = ("eagle", "eagle2", "eagle3")
+TREE_TOP_K, TREE_TOKENS = 10, 60  # the papers' dynamic tree: depth 6, and 8 for EAGLE-3
 TREE_DEPTH = {"eagle2": 6, "eagle3": defaults.EAGLE3_DEPTH}
-EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' reduced vocabulary (or the target's, if smaller)
+EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' reduced vocabulary
 # The shared data folder sits beside the checkout, or inside it where the checkout travels alone.
 QUESTION_FILES = [ROOT.parent / "shared/data/mt_bench/question.jsonl", ROOT / "shared/data/mt_bench/question.jsonl"]
 DEFAULT_QUESTIONS = next((f for f in QUESTION_FILES if f.is_file()), QUESTION_FILES[0])
 
 
 def tree_tokens_arg(value: str):
-    """--tree_tokens: a number of tree nodes, root included, or "auto"."""
     if value == "auto":
         return value
     try:
@@ -85,7 +74,6 @@ def tree_tokens_arg(value: str):
 
 
 def model_config(name: str) -> ModelArgs:
-    """--model_name: a model.py config name, or a JSON file {"model": {ModelArgs fields}}."""
     if name.endswith(".json"):
         return ModelArgs(**json.loads(Path(name).read_text())["model"])
     return ModelArgs.from_name(name)
@@ -94,104 +82,99 @@ def model_config(name: str) -> ModelArgs:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     dtypes = ["float32", "bfloat16", "float16"]
-    p.add_argument("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
-    p.add_argument("--draft_checkpoint_path", type=Path, help="EAGLE-1/2 head (default: eagle/ beside the checkpoint)")
-    p.add_argument("--draft3_checkpoint_path", type=Path, help="EAGLE-3 head (default: eagle3/ beside the checkpoint)")
-    p.add_argument("--draft3_dtype", choices=dtypes, help="the EAGLE-3 head's dtype (default: --dtype)")
-    p.add_argument("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
-    p.add_argument("--num_questions", type=int, help="this many, taken in turn from each category (default: all)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all whose head is there; vanilla always runs")
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    p.add_argument("--max_new_tokens", type=int, default=256, help="per answer")
-    p.add_argument("--chain_depth", type=int, default=5, help="chain: guesses per round")
-    p.add_argument("--lookup", type=int, default=8, help="eagle2+lookup, eagle3+lookup: lookup nodes per tree")
-    p.add_argument("--lookup_alone", type=int, default=10, help="lookup: guesses per round")
-    p.add_argument("--tree_top_k", type=int, help=f"children per node (default {TREE_TOP_K}; auto searches unless given)")
-    p.add_argument("--tree_depth", type=int, help=f"eagle2's depth (default {TREE_DEPTH['eagle2']}; auto searches unless given)")
-    p.add_argument("--tree_depth3", type=int, help=f"eagle3's depth (default {TREE_DEPTH['eagle3']}; auto searches unless given)")
-    p.add_argument("--tree_tokens", type=tree_tokens_arg, default=TREE_TOKENS, help="nodes per tree, root included, or auto")
-    p.add_argument("--compile", action="store_true", help="compile the decode step and the rounds")
-    p.add_argument("--compile_prefill", action="store_true")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["auto", *dtypes], default="auto", help="auto: defaults.py's, as generate.py")
-    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
-    p.add_argument("--batch_invariant", action="store_true", help="the target (vanilla's too) in batch-invariant mode")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", type=Path, help="path without suffix (default: benchmarks/mt_bench-MODEL or random-NAME)")
-    p.add_argument("--no_plot", action="store_true", help="no OUT.png (no matplotlib needed)")
-    p.add_argument("--peers", action="store_true", help="add transformers' generate and its prompt lookup")
-    p.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="--peers: hf_prompt_lookup's guesses")
-    p.add_argument("--eager_float32", action="store_true", help="add plain decoding of a float32 copy, eager")
-    p.add_argument("--time_budget", type=float, help="seconds: no new question (or round) after them; recorded")
-    p.add_argument("--dry_run", action="store_true", help="check the arguments, print the plan and exit")
-    p.add_argument("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S, help="under torchrun: seconds to wait for a rank")
-    r = p.add_argument_group("random-weights mode")
-    r.add_argument("--random_weights", action="store_true")
-    r.add_argument("--model_name", help='a model.py config (e.g. llama-2-7b), or a JSON file {"model": {...}}')
-    r.add_argument("--tree_sizes", nargs="+", type=int, default=[16, 32, 48, 60, 64, 96, 128])
-    r.add_argument("--tau", nargs="+", type=float, default=[3.5, 4.0, 4.5], help="tokens per round to predict for")
-    r.add_argument("--steps", type=int, help="timed steps and rounds (default: 100 on CUDA, 10 on a CPU)")
-    r.add_argument("--prompt_length", type=int, default=128)
-    r.add_argument("--tp_timing", action="store_true", help="under torchrun: also the step without all-reduces, and those alone")
-    r.add_argument("--quantize", choices=["int8", "int4"], help="quantize the target in memory")
-    r.add_argument("--groupsize", type=int, default=32, help="int4 groupsize")
+    add = p.add_argument
+    add("--checkpoint_path", type=Path, default=ROOT / "checkpoints/SmolLM2-135M-Instruct/model.pth")
+    add("--draft_checkpoint_path", type=Path, help="EAGLE-1/2 head (default: eagle/ beside the checkpoint)")
+    add("--draft3_checkpoint_path", type=Path, help="EAGLE-3 head (default: eagle3/ beside the checkpoint)")
+    add("--draft3_dtype", choices=dtypes, help="the EAGLE-3 head's dtype (default: --dtype)")
+    add("--question_file", type=Path, default=DEFAULT_QUESTIONS, help="MT-bench format, one JSON per line")
+    add("--num_questions", type=int, help="this many, taken in turn from each category (default: all)")
+    add("--methods", nargs="+", choices=METHODS, help="default: all whose head is there; vanilla always runs")
+    add("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    add("--max_new_tokens", type=int, default=256, help="per answer")
+    add("--chain_depth", type=int, default=5, help="chain: guesses per round")
+    add("--lookup", type=int, default=8, help="eagle2+lookup, eagle3+lookup: lookup nodes per tree")
+    add("--lookup_alone", type=int, default=10, help="lookup (and --peers' prompt lookup): guesses per round")
+    add("--tree_top_k", type=int, help=f"children per node (default {TREE_TOP_K}; auto searches unless given)")
+    add("--tree_depth", type=int, help=f"eagle2's depth (default {TREE_DEPTH['eagle2']}; auto searches unless given)")
+    add("--tree_depth3", type=int, help=f"eagle3's depth (default {TREE_DEPTH['eagle3']}; auto searches unless given)")
+    add("--tree_tokens", type=tree_tokens_arg, default=TREE_TOKENS, help="nodes per tree, root included, or auto")
+    add("--compile", action="store_true", help="compile the decode step and the rounds")
+    add("--compile_prefill", action="store_true")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", choices=["auto", *dtypes], default="auto", help="auto: defaults.py's, as generate.py")
+    add("--attention", choices=["auto", "sdpa", "triton"], default="auto")
+    add("--batch_invariant", action="store_true", help="the target (vanilla's too) in batch-invariant mode")
+    add("--seed", type=int, default=1234)
+    add("--out", type=Path, help="path without suffix (default: benchmarks/mt_bench-MODEL or random-NAME)")
+    add("--no_plot", action="store_true", help=argparse.SUPPRESS)  # no plot any more; older commands pass it
+    add("--peers", action="store_true", help="add transformers' generate and its prompt lookup")
+    add("--eager_float32", action="store_true", help="add plain decoding of a float32 copy, eager")
+    add("--time_budget", type=float, help="seconds: no new question (or round) after them; recorded")
+    add("--dry_run", action="store_true", help="check the arguments, print the plan and exit")
+    add("--tp_timeout", type=float, default=tp.DEFAULT_TIMEOUT_S, help="under torchrun: seconds to wait for a rank")
+    r = p.add_argument_group("random-weights mode").add_argument
+    r("--random_weights", action="store_true")
+    r("--model_name", help='a model.py config (e.g. llama-2-7b), or a JSON file {"model": {...}}')
+    r("--tree_sizes", nargs="+", type=int, default=[16, 32, 48, 60, 64, 96, 128])
+    r("--tau", nargs="+", type=float, default=[3.5, 4.0, 4.5], help="tokens per round to predict for")
+    r("--steps", type=int, help="timed steps and rounds (default: 100 on CUDA, 10 on a CPU)")
+    r("--prompt_length", type=int, default=128)
+    r("--tp_timing", action="store_true", help="under torchrun: also the step without all-reduces, and those alone")
+    r("--quantize", choices=["int8", "int4"], help="quantize the target in memory")
+    r("--groupsize", type=int, default=32, help="int4 groupsize")
     args = p.parse_args(argv)
 
     errors = []
-    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
-        errors.append(f"--device {args.device} requested but CUDA is not available")
-    for flag, value, least in (("--max_new_tokens", args.max_new_tokens, 1), ("--num_questions", args.num_questions, 1),
-                               ("--chain_depth", args.chain_depth, 1), ("--lookup", args.lookup, 0),
-                               ("--lookup_alone", args.lookup_alone, 1), ("--temperatures", min(args.temperatures), 0),
-                               ("--prompt_lookup_num_tokens", args.prompt_lookup_num_tokens, 1),
-                               ("--time_budget", args.time_budget, 0), ("--steps", args.steps, 1),
-                               ("--prompt_length", args.prompt_length, 1)):
-        if value is not None and value < least:
-            errors.append(f"{flag} must be >= {least}, got {value}")
-    if args.tp_timing and not (args.random_weights and tp.launched_by_torchrun()):
-        errors.append("--tp_timing times a tensor-parallel step of --random_weights: run it under "
-                      "python -m torch.distributed.run (--nproc_per_node 1 for the one-rank reference)")
+
+    def check(ok, message):
+        if not ok:
+            errors.append(message)
+
+    check(not args.device.startswith("cuda") or torch.cuda.is_available() or args.dry_run,
+          f"--device {args.device} requested but CUDA is not available")
+    for flag, least in (("max_new_tokens", 1), ("num_questions", 1), ("chain_depth", 1), ("lookup", 0),
+                        ("lookup_alone", 1), ("temperatures", 0), ("time_budget", 0), ("steps", 1),
+                        ("prompt_length", 1)):
+        value = getattr(args, flag)
+        value = min(value) if isinstance(value, list) else value
+        check(value is None or value >= least, f"--{flag} must be >= {least}, got {value}")
+    check(not args.tp_timing or (args.random_weights and tp.launched_by_torchrun()),
+          "--tp_timing times a tensor-parallel step of --random_weights: run it under "
+          "python -m torch.distributed.run (--nproc_per_node 1 for the one-rank reference)")
     if args.random_weights:
-        if args.model_name is None:
-            errors.append("--random_weights needs --model_name (a model.py config name or a JSON file)")
-        else:
-            try:
-                model_config(args.model_name)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                errors.append(f"--model_name {args.model_name}: {e}")
+        check(args.model_name is not None, "--random_weights needs --model_name (a model.py config name or a JSON file)")
+        try:
+            args.model_name and model_config(args.model_name)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            errors.append(f"--model_name {args.model_name}: {e}")
         args.methods = [m for m in RANDOM_METHODS if m in (args.methods or RANDOM_METHODS)]
-        if not args.methods:
-            errors.append(f"--random_weights measures rounds of {', '.join(RANDOM_METHODS)}; --methods names none")
-        if args.tree_tokens == "auto":
-            errors.append("--random_weights measures fixed tree sizes: give --tree_tokens a number (the headline size)")
-        if args.quantize == "int4" and args.groupsize not in GROUPSIZES:
-            errors.append(f"--groupsize must be one of {GROUPSIZES}, got {args.groupsize}")
-        if args.peers or args.batch_invariant:
-            errors.append("--peers and --batch_invariant are for MT-bench runs (a checkpoint), not --random_weights")
+        check(args.methods, f"--random_weights measures rounds of {', '.join(RANDOM_METHODS)}; --methods names none")
+        check(args.tree_tokens != "auto",
+              "--random_weights measures fixed tree sizes: give --tree_tokens a number (the headline size)")
+        check(args.quantize != "int4" or args.groupsize in GROUPSIZES,
+              f"--groupsize must be one of {GROUPSIZES}, got {args.groupsize}")
+        check(not (args.peers or args.batch_invariant),
+              "--peers and --batch_invariant are for MT-bench runs (a checkpoint), not --random_weights")
     else:
-        if args.model_name is not None or args.quantize is not None:
-            errors.append("--model_name and --quantize are for --random_weights; a checkpoint carries its own")
-        if not args.question_file.is_file():
-            errors.append(f"--question_file not found: {args.question_file}")
-        if not args.checkpoint_path.is_file():
-            errors.append(f"checkpoint not found: {args.checkpoint_path} (prepare one with scripts/prepare.sh)")
-        heads = {"eagle": args.draft_checkpoint_path or args.checkpoint_path.parent / "eagle",
-                 "eagle3": args.draft3_checkpoint_path or args.checkpoint_path.parent / "eagle3"}
-        args.draft_checkpoint_path, args.draft3_checkpoint_path = heads["eagle"], heads["eagle3"]
+        check(args.model_name is None and args.quantize is None,
+              "--model_name and --quantize are for --random_weights; a checkpoint carries its own")
+        check(args.question_file.is_file(), f"--question_file not found: {args.question_file}")
+        check(args.checkpoint_path.is_file(),
+              f"checkpoint not found: {args.checkpoint_path} (prepare one with scripts/prepare.sh)")
+        args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / "eagle"
+        args.draft3_checkpoint_path = args.draft3_checkpoint_path or args.checkpoint_path.parent / "eagle3"
+        heads = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
         if args.methods is None:  # every method whose head is on disk
             args.methods = [m for m in METHODS[1:] if HEAD_OF[m] is None or heads[HEAD_OF[m]].exists()]
         args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
-        for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None):
-            if not heads[head].exists():
-                needing = " ".join(m for m in args.methods[1:] if HEAD_OF[m] == head)
-                flag = "--draft3_checkpoint_path" if head == "eagle3" else "--draft_checkpoint_path"
-                errors.append(f"methods {needing} need an {'EAGLE-3' if head == 'eagle3' else 'EAGLE-1/2'} head: "
-                              f"{heads[head]} not found (pass {flag}, or leave them out of --methods)")
-    plot = not (args.no_plot or args.random_weights or args.dry_run)
-    for wanted, module, what in ((args.peers, "transformers", "--peers"), (plot, "matplotlib", "the PNG plot")):
-        if wanted and importlib.util.find_spec(module) is None:  # (requirements-dev.txt has both)
-            errors.append(f"{what} needs {module}: pip install -r requirements-dev.txt"
-                          + " (or pass --no_plot)" * (module == "matplotlib"))
+        for head, path in heads.items():
+            needing = " ".join(m for m in args.methods[1:] if HEAD_OF[m] == head)
+            flag, what = ("--draft3_checkpoint_path", "EAGLE-3") if head == "eagle3" else ("--draft_checkpoint_path", "EAGLE-1/2")
+            check(not needing or path.exists(), f"methods {needing} need an {what} head: {path} not found "
+                  f"(pass {flag}, or leave them out of --methods)")
+        check(not args.peers or importlib.util.find_spec("transformers"),
+              "--peers needs transformers: pip install -r requirements-dev.txt")
     if errors:
         p.error("\n  ".join(errors))
     if args.dtype == "auto":  # as generate.py: eager on a CPU the mode holds in bf16 only
@@ -203,8 +186,9 @@ def parse_args(argv=None):
         if problem:
             p.error(problem)
     if args.out is None:
-        name = f"random-{Path(args.model_name).stem if args.model_name.endswith('.json') else args.model_name}" \
-            if args.random_weights else f"mt_bench-{args.checkpoint_path.parent.name}"
+        name = f"mt_bench-{args.checkpoint_path.parent.name}"
+        if args.random_weights:
+            name = f"random-{Path(args.model_name).stem if args.model_name.endswith('.json') else args.model_name}"
         args.out = ROOT / "benchmarks" / name
     if args.random_weights:  # the shape of the rounds measured
         args.tree_top_k, args.tree_depth = args.tree_top_k or TREE_TOP_K, args.tree_depth or TREE_DEPTH["eagle2"]
@@ -214,22 +198,18 @@ def parse_args(argv=None):
 
 
 # ---- shared by both modes ----------------------------------------------------------------
-def hardware_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-
-
 def allow_many_graphs():
-    """Every tree size and temperature compiles its own graph of the same function (Speculator.round,
-    decode_one_token); dynamo's default limit of 8 per function would fall back or fail."""
+    """Every tree size and temperature compiles its own graph of the same function: lift dynamo's
+    per-function limit (8 by default), which would otherwise fall back or fail."""
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
 
 
 def header(args, argv) -> dict:
-    return {"hardware": hardware_name(args.device), "device": args.device, "dtype": args.dtype,
+    hardware = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else \
+        f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return {"hardware": hardware, "device": args.device, "dtype": args.dtype,
             "draft3_dtype": args.draft3_dtype or args.dtype, "compiled": args.compile, "attention": args.attention,
             "torch": torch.__version__, "batch_invariant": args.batch_invariant,
             "tensor_parallel": args.shard.world_size if args.shard else 1,
@@ -249,8 +229,8 @@ def write_json(path: Path, report: dict):
 
 
 def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
-    """Mean time of fn() over `calls` back-to-back calls (one sync at each end), after warm-up
-    calls that compile and record CUDA graphs."""
+    """Mean time of fn() over back-to-back calls (one sync at each end), after warm-up calls that
+    compile and record CUDA graphs."""
     for _ in range(warmup):
         fn()
     device_sync(device)
@@ -261,9 +241,22 @@ def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
     return (time.perf_counter() - t) / calls
 
 
+def copy_bandwidth_gb_s(device: str, repeats: int = 20) -> float:
+    """A device-to-device copy, counted as read + write: the most a decode step's weight reads can
+    reach. 1 GiB on CUDA, 256 MiB on a CPU: past any cache."""
+    src = torch.ones((1 << 30) if device.startswith("cuda") else (256 << 20), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / seconds_per_call(lambda: dst.copy_(src), repeats, device, warmup=1) / 1e9
+
+
+def decode_speed(step_s: float, weight_bytes: int, copy_gb_s: float) -> dict:
+    gb_s = weight_bytes / step_s / 1e9
+    return dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=gb_s, fraction_of_copy=gb_s / copy_gb_s)
+
+
 def step_timer(model: Transformer, step, prompt: torch.Tensor):
-    """A function that runs one greedy plain decode step (`step`, decode_one_token's signature) in
-    place, one position further each call, after prefilling prompt [1, L]: what a CUDA graph replays."""
+    """After prefilling prompt [1, L], a function that runs one greedy decode step (decode_one_token's
+    signature) in place, one position further each call: what a CUDA graph replays."""
     token = gen.prefill(model, prompt, 0.0, None, None)
     input_pos = torch.tensor([prompt.size(1)], device=prompt.device)
 
@@ -274,8 +267,8 @@ def step_timer(model: Transformer, step, prompt: torch.Tensor):
 
 
 def plain_decoders(args, model: Transformer, stop_ids, name: str, compiled: bool) -> tuple:
-    """({(name, temperature): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)}, the decode step):
-    plain decoding of model, its step compiled as generate.py compiles it (CUDA graphs on CUDA)."""
+    """({(name, T): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)}, the step): plain decoding,
+    compiled as generate.py compiles it (CUDA graphs on CUDA)."""
     step, first = gen.decode_one_token, gen.prefill
     if compiled:
         step = compile_step(gen.decode_one_token, args.device, model)
@@ -317,8 +310,8 @@ def load_questions(path: Path, n=None) -> list:
 
 
 def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
-    """The prompt ids of question q's turn (0-based): its user turns up to `turn`, each earlier one
-    followed by its answer in answers, in the chat template."""
+    """The prompt ids of q's turn (0-based) in the chat template: its user turns up to `turn`, each
+    earlier one followed by its answer in answers."""
     messages = []
     for i in range(turn + 1):
         messages.append({"role": "user", "content": q["turns"][i]})
@@ -328,8 +321,8 @@ def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
 
 
 def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) -> dict:
-    """{(method, temperature): the Speculator's tree arguments, or None where --tree_tokens auto
-    chose plain decoding}."""
+    """{(method, T): the Speculator's tree arguments, or None where --tree_tokens auto chose plain
+    decoding}. A +lookup method grows its base method's tree (measured once) plus lookup nodes."""
     statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]), "eagle": static_tree(mc_sim_7b_63)}
     shapes = {}
     for method in args.methods[1:]:
@@ -339,39 +332,36 @@ def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) 
                 shapes[method, T] = dict(lookup=args.lookup_alone)
             elif method in statics:
                 shapes[method, T] = dict(static=statics[method])
-            elif method != base:  # the plain method's tree, and lookup's chain below it
+            else:
                 shape = shapes[base, T] if (base, T) in shapes else \
                     dynamic_shape(args, base, T, model, drafts, probes, stop_ids)
-                shapes[method, T] = None if shape is None else dict(shape, lookup=args.lookup)
-            else:
-                shapes[method, T] = dynamic_shape(args, method, T, model, drafts, probes, stop_ids)
+                shapes[method, T] = dict(shape, lookup=args.lookup) if shape and method != base else shape
     return shapes
 
 
 def dynamic_shape(args, method: str, T: float, model: Transformer, drafts: dict, probes: list, stop_ids):
-    """eagle2's or eagle3's tree: the flags', or with --tree_tokens auto what autoshape.py chooses
-    from costs measured on probe prompts (no evaluation data) in the run's mode."""
+    """eagle2's or eagle3's tree: the flags', or with --tree_tokens auto autoshape.py's choice from
+    costs measured on probe prompts in this run's mode."""
     depth = args.tree_depth3 if method == "eagle3" else args.tree_depth
     if args.tree_tokens != "auto":
         return dict(tree_top_k=args.tree_top_k or TREE_TOP_K, tree_depth=depth or TREE_DEPTH[method],
                     tree_tokens=args.tree_tokens)
     head = args.draft3_checkpoint_path if method == "eagle3" else args.draft_checkpoint_path
+    draft = drafts[HEAD_OF[method]]
     print(f"{method} at temperature {T:g}:", file=sys.stderr)
-    return auto_shape(model, drafts[HEAD_OF[method]], probes, stop_ids=stop_ids, temperature=T,
+    return auto_shape(model, draft, probes, stop_ids=stop_ids, temperature=T,
                       top_ks=AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
                       depths=range(1, 9) if depth is None else (depth,),
                       cuda_graphs=args.compile and args.device.startswith("cuda"),
                       compiled_cpu=args.compile and args.device == "cpu",
-                      cache_key=dict(machine_key(args.device), model=file_key(args.checkpoint_path),
-                                     draft=file_key(head), dtype=args.dtype, compiled=args.compile,
-                                     draft_dtype=(args.draft3_dtype or args.dtype) if method == "eagle3" else args.dtype,
-                                     packed=not args.compile))
+                      cache_key=gen.run_key(argparse.Namespace(**dict(vars(args), draft_checkpoint_path=head)),
+                                            model, draft))
 
 
 def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
-    """({(method, temperature): decode(prompt_ids, max_new_tokens) -> (ids, generate.Forwards)},
-    the tree shapes, vanilla's decode step). All methods share the target, the drafts and their
-    caches, allocated here once for the largest tree, before anything is compiled."""
+    """({(method, T): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)}, the tree shapes, vanilla's
+    step). All methods share the target, the drafts and their caches, allocated once for the largest
+    tree before anything is compiled."""
     shapes = tree_shapes(args, model, drafts, probes, stop_ids)
     specs = {key: Speculator(model, drafts.get(HEAD_OF[key[0]]), stop_ids=stop_ids, temperature=key[1], **shape)
              for key, shape in shapes.items() if shape is not None}
@@ -393,9 +383,8 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
 
 
 def build_peers(args, model: Transformer, stop_ids) -> dict:
-    """{(peer, temperature): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)} for --peers:
-    transformers' generate on a copy of the target's weights, same dtype, device and stop tokens;
-    eager, with its default dynamic cache (its prompt lookup refuses a static one)."""
+    """{(peer, T): decode} for --peers: transformers' generate on a copy of the target's weights (same
+    dtype, device, stop tokens), eager, with its dynamic cache (its prompt lookup refuses a static one)."""
     import convert_hf_checkpoint  # only here: it imports gguf, and hf_model_from_ours transformers
 
     hf = convert_hf_checkpoint.hf_model_from_ours(model)
@@ -406,9 +395,7 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
             prompt = torch.tensor([prompt_ids], device=args.device)
             lengths = []
 
-            def record_length(input_ids, scores, **kwargs):
-                # a stopping criterion that never stops: generate checks it once per forward, so the
-                # lengths it sees give the tokens each forward emitted
+            def record_length(input_ids, scores, **kwargs):  # checked once per forward; never stops
                 lengths.append(input_ids.shape[1])
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -416,25 +403,22 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
                 out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                                   eos_token_id=stop or None, pad_token_id=stop[0] if stop else None, use_cache=True,
                                   stopping_criteria=[record_length], **options)
-            # as speculative_generate counts rounds: the first forward is the prefill (with prompt
-            # lookup it also checks guesses from the prompt, so it may emit more than one token)
+            # counted as our rounds: the first forward is the prefill (prompt lookup may emit more there)
             return out[0, len(prompt_ids):].tolist(), gen.Forwards([b - a for a, b in zip(lengths, lengths[1:])])
         return decode
 
     decoders = {}
-    for T in args.temperatures:
-        # generate's own defaults would sample from the top 50 only: the whole distribution, as ours
+    for T in args.temperatures:  # the whole distribution, as ours (generate's default keeps the top 50)
         options = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
         decoders["hf", T] = peer(options)
-        decoders["hf_prompt_lookup", T] = peer(dict(options, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens))
+        decoders["hf_prompt_lookup", T] = peer(dict(options, prompt_lookup_num_tokens=args.lookup_alone))
     return decoders
 
 
 def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
-    """One record per method x temperature x category ("overall" first): totals, tok/s, speedup
-    over vanilla in the same group, tau (tokens per target forward, bonus included; 1 for
-    vanilla), the plain steps of adaptive decoding and tau over the rounds alone (what the head
-    accepts), and, at temperature 0, the fraction of answers equal to vanilla's."""
+    """One record per method x temperature x category ("overall" first): tok/s, speedup over vanilla in
+    the same group, tau (tokens per target forward, bonus included), adaptive decoding's plain steps and
+    tau over the rounds alone, and at T=0 the fraction of answers equal to vanilla's."""
     records, groups = [], {}
     for a in answers:
         for category in ("overall", a["category"]):
@@ -472,15 +456,15 @@ def run_mt_bench(args, argv=None) -> dict:
     stop_ids = tokenizer.stop_ids
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
-    drafts = {head: load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention)
-              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:]) if head is not None}
-    for head, draft in drafts.items():
-        gen.check_head("eagle3" if head == "eagle3" else "eagle2", draft, paths[head])
+    drafts = {}
+    for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None):
+        drafts[head] = load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention)
+        gen.check_head("eagle3" if head == "eagle3" else "eagle2", drafts[head], paths[head])
     questions = load_questions(args.question_file, args.num_questions)
     start = time.perf_counter()
 
-    # Room for the longest conversation: every turn, each answer up to max_new_tokens (plus slack
-    # for an answer that re-encodes into more tokens than it was generated as).
+    # Room for the longest conversation: every turn, each answer up to max_new_tokens (plus slack for
+    # an answer that re-encodes into more tokens than it was generated as).
     longest = max(len(conversation(tokenizer, q, len(q["turns"]) - 1, [""] * len(q["turns"]))) for q in questions)
     most_turns = max(len(q["turns"]) for q in questions)
     context = min(model.config.block_size, longest + most_turns * (args.max_new_tokens + 32))
@@ -501,21 +485,19 @@ def run_mt_bench(args, argv=None) -> dict:
     decoders.update(more)
     args.methods = [*args.methods, *dict.fromkeys(m for m, _ in more)]
 
-    # Warm-up (compilation, with --compile): every decoder once on the first prompt, not timed.
-    for decode in tqdm(decoders.values(), desc="warm-up", file=sys.stderr):
+    for decode in tqdm(decoders.values(), desc="warm-up", file=sys.stderr):  # compiles, with --compile
         decode(probe_ids, min(args.max_new_tokens, 32))
-    # vanilla's step against the copy bandwidth, in this run (before the answers: a quiet moment)
+    # vanilla's step against the copy bandwidth, in this run, before the answers
     step_s = seconds_per_call(step_timer(model, step, torch.tensor([probe_ids], device=device)), 40, device)
     weight_bytes = gen.model_bytes_per_token(model)
-    decode_step = dict(step_ms=step_s * 1e3, weight_bytes=weight_bytes, gb_s=weight_bytes / step_s / 1e9,
-                       copy_gb_s=copy_bandwidth_gb_s(device))
-    decode_step["fraction_of_copy"] = decode_step["gb_s"] / decode_step["copy_gb_s"]
+    copy_gb_s = copy_bandwidth_gb_s(device)
+    decode_step = dict(decode_speed(step_s, weight_bytes, copy_gb_s), weight_bytes=weight_bytes, copy_gb_s=copy_gb_s)
 
     answers, peaks, asked = [], {key: 0.0 for key in decoders}, []
     bar = tqdm(total=sum(len(q["turns"]) for q in questions) * len(decoders), desc="MT-bench answers", unit="answer",
                file=sys.stderr)
     for index, q in enumerate(questions):
-        if asked and time.perf_counter() - start > args.time_budget:  # (the first question is always asked)
+        if asked and time.perf_counter() - start > args.time_budget:  # the first question is always asked
             print(f"--time_budget {args.time_budget:g} s reached: {len(asked)} of {len(questions)} questions asked",
                   file=sys.stderr)
             break
@@ -527,7 +509,6 @@ def run_mt_bench(args, argv=None) -> dict:
                 max_new = min(args.max_new_tokens, context - len(prompt_ids))
                 if max_new < 1:
                     raise ValueError(f"question {q['question_id']} turn {turn + 1} does not fit the {context}-token context")
-                reference = None
                 for method in args.methods:
                     torch.manual_seed(args.seed + 1000 * index + turn)  # the same seed for every method
                     if device.startswith("cuda"):
@@ -540,7 +521,7 @@ def run_mt_bench(args, argv=None) -> dict:
                     peaks[method, T] = max(peaks[method, T], gen.peak_memory_gb(device))
                     if method == "vanilla":
                         reference = ids
-                    # "rounds": target forwards after the prefill, adaptive decoding's plain steps included
+                    # rounds: target forwards after the prefill, adaptive decoding's plain steps included
                     answers.append(dict(question_id=q["question_id"], category=q["category"], turn=turn + 1,
                                         method=method, temperature=T, prompt_tokens=len(prompt_ids), tokens=len(ids),
                                         seconds=seconds, rounds=len(forwards.emitted), accepted=sum(forwards.emitted),
@@ -564,34 +545,30 @@ def run_mt_bench(args, argv=None) -> dict:
     return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model), decode_step=decode_step,
                 drafts={head: str(paths[head]) for head in drafts}, question_file=str(args.question_file),
                 questions=len(asked), questions_left_out=len(questions) - len(asked),
-                max_new_tokens=args.max_new_tokens, context=context, seed=args.seed, methods=method_notes(args, shapes),
+                max_new_tokens=args.max_new_tokens, context=context, seed=args.seed,
+                methods=method_notes(args, shapes, fields.get("transformers")),
                 peak_memory_note="GPU: peak reserved per method; CPU: the whole process's peak RSS, shared by all methods",
                 records=records, answers=answers)
 
 
-def method_notes(args, shapes) -> dict:
+def method_notes(args, shapes, transformers_version=None) -> dict:
+    hybrid = f"with {args.lookup} more tree nodes from prompt lookup, decoded adaptively"
     notes = {"vanilla": "one target forward per token",
              "chain": f"static chain of {args.chain_depth} guesses (EAGLE-1/2 head, no tree)",
              "eagle": "EAGLE-1 static tree mc_sim_7b_63: 26 nodes, depth 5",
              "eagle2": "EAGLE-2 dynamic tree (EAGLE-1/2 head)", "eagle3": "EAGLE-3 head, dynamic tree",
              "lookup": f"prompt lookup alone: {args.lookup_alone} guesses from the longest earlier match, no draft",
-             "eagle2+lookup": f"as eagle2, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively",
-             "eagle3+lookup": f"as eagle3, with {args.lookup} more tree nodes from prompt lookup, decoded adaptively",
+             "eagle2+lookup": f"as eagle2, {hybrid}", "eagle3+lookup": f"as eagle3, {hybrid}",
              NOT_INVARIANT: "plain decoding of a copy of the target without batch invariance: the mode's cost",
-             EAGER_FLOAT32: "plain decoding, eager, float32 (a copy of the weights)"}
-
+             EAGER_FLOAT32: "plain decoding, eager, float32 (a copy of the weights)",
+             "hf": f"transformers {transformers_version} model.generate, same weights, eager, SDPA; at T>0 top_k=0, top_p=1",
+             "hf_prompt_lookup": f"as hf, with prompt_lookup_num_tokens {args.lookup_alone}"}
     auto = args.tree_tokens == "auto"
     for method in ("eagle2", "eagle3", "eagle2+lookup", "eagle3+lookup"):
         chosen = [f"T={T:g}: " + ("vanilla decoding" if s is None else f"top_k {s['tree_top_k']}, depth "
                                   f"{s['tree_depth']}, {s['tree_tokens']} tokens") for (m, T), s in shapes.items() if m == method]
         if chosen:
             notes[method] += (" (--tree_tokens auto chose " if auto else ": ") + ", ".join(chosen) + (")" if auto else "")
-    if args.peers:
-        import transformers
-
-        notes["hf"] = (f"transformers {transformers.__version__} model.generate, same weights, eager, SDPA; at T>0 "
-                       f"top_k=0, top_p=1")
-        notes["hf_prompt_lookup"] = f"as hf, with prompt_lookup_num_tokens {args.prompt_lookup_num_tokens}"
     return {m: notes[m] for m in args.methods}
 
 
@@ -618,52 +595,24 @@ def mt_bench_markdown(report: dict) -> str:
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}× | "
                      f"{_fmt(r['mean_accepted'])} | {_fmt(r['round_tau'])} | {r['plain_steps']} | "
                      f"{_fmt(r['equal_to_vanilla'], '.0%')} | {r['peak_memory_gb']:.2f} | {r['tokens']} | {r['rounds']} |")
-    methods = list(report["methods"])
+    methods = list(report["methods"])[1:]
     lines += ["", "Per category: vanilla tok/s, and speedup (τ) of each method.", "",
-              "| category | temperature | vanilla tok/s | " + " | ".join(methods[1:]) + " |",
-              "|---|---|---|" + "---|" * (len(methods) - 1)]
+              "| category | temperature | vanilla tok/s | " + " | ".join(methods) + " |",
+              "|---|---|---|" + "---|" * len(methods)]
     by_key = {(r["category"], r["temperature"], r["method"]): r for r in report["records"]}
     for category, T in dict.fromkeys((r["category"], r["temperature"]) for r in report["records"]):
         cells = [f"{by_key[category, T, m]['speedup']:.2f}× ({_fmt(by_key[category, T, m]['mean_accepted'])})"
-                 for m in methods[1:]]
+                 for m in methods]
         lines.append(f"| {category} | {T:g} | {by_key[category, T, 'vanilla']['tokens_per_s']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def mt_bench_plot(report: dict, path: Path):
-    """Speedup over vanilla per category and overall, one panel per temperature."""
-    import matplotlib  # requirements-dev.txt; --no_plot runs without it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    temps = list(dict.fromkeys(r["temperature"] for r in report["records"]))
-    categories = list(dict.fromkeys(r["category"] for r in report["records"]))
-    methods = [m for m in report["methods"] if m != "vanilla"]
-    by_key = {(r["category"], r["temperature"], r["method"]): r["speedup"] for r in report["records"]}
-    fig, axes = plt.subplots(len(temps), 1, figsize=(max(6, 1.1 * len(categories)), 3.2 * len(temps)), squeeze=False)
-    width = 0.8 / max(1, len(methods))
-    for ax, T in zip(axes[:, 0], temps):
-        for i, m in enumerate(methods):
-            xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(categories))]
-            ax.bar(xs, [by_key[c, T, m] for c in categories], width, label=m)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(categories)), categories, rotation=20)
-        ax.set_ylabel("speedup over vanilla")
-        ax.set_title(f"{report['model']}, temperature {T:g}, {report['dtype']} ({report['hardware'][:60]})", fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ---- random weights: bandwidth and round cost of a real-shaped model -------------------------
 def random_modules(config: ModelArgs, methods, device: str, dtype: torch.dtype, shard=None) -> tuple:
-    """The target (with a tp.Shard, this rank's part) and {"eagle": an EAGLE-1/2 head, "eagle3": an
-    EAGLE-3 head with a reduced vocabulary, as published} as the methods need them: built on the
-    meta device, allocated on `device` in `dtype` (a 7B model never exists in float32) and filled
-    with random weights, norms 1 and the rest N(0, 0.02^2). Every rank draws the same numbers for
-    the replicated weights (same seed, same shapes in the same order)."""
+    """The target (with a tp.Shard, this rank's part) and the heads the methods need ({"eagle": EAGLE-1/2,
+    "eagle3": EAGLE-3 with the published reduced vocabulary}), built on the meta device and allocated
+    on `device` in `dtype` (a 7B model never exists in float32): norms 1, the rest N(0, 0.02^2). Every
+    rank draws the same replicated weights (same seed, same shapes in the same order)."""
     with torch.device("meta"):
         model = Transformer(config)
         drafts = {"eagle": EagleDraft(draft_config_for(config)),
@@ -683,27 +632,12 @@ def random_modules(config: ModelArgs, methods, device: str, dtype: torch.dtype, 
     return model, drafts
 
 
-def copy_bandwidth_gb_s(device: str, repeats: int = 20) -> float:
-    """A device-to-device copy, counted as read + write: what a decode step's weight reads can
-    reach at most. 1 GiB on CUDA, 256 MiB on a CPU: past any cache."""
-    src = torch.ones((1 << 30) if device.startswith("cuda") else (256 << 20), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    device_sync(device)
-    t = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    device_sync(device)
-    return 2 * src.numel() * repeats / (time.perf_counter() - t) / 1e9
-
-
 def round_plan(args) -> list:
-    """(method, tree size) pairs in the order they are measured: the headline size of each method
-    first (what a short --time_budget keeps), then the other sizes."""
+    """(method, tree size) in the order measured: each method's headline size first (what a short
+    --time_budget keeps), then the other sizes."""
     dynamic = [m for m in ("eagle2", "eagle3") if m in args.methods]
     first = [(m, args.tree_tokens) for m in dynamic] + [("eagle", 26)] * ("eagle" in args.methods)
-    rest = [(m, T) for m in dynamic for T in sorted(args.tree_sizes) if T != args.tree_tokens]
-    return first + rest
+    return first + [(m, T) for m in dynamic for T in sorted(args.tree_sizes) if T != args.tree_tokens]
 
 
 @torch.no_grad()
@@ -721,8 +655,8 @@ def run_random_weights(args, argv=None) -> dict:
     plan = round_plan(args)
     warmup, P, depth = 3, args.prompt_length, max(args.tree_depth, 5)  # 5: the static tree's depth
     largest = max(T for _, T in plan)
-    # prompt, warm-up and timed rounds (each emits at most depth + 1 tokens; two more calls for a
-    # CUDA-graph capture), room for the last round's overshoot, the tree region
+    # the prompt, warm-up and timed calls (each emits at most depth + 1 tokens; two more for a CUDA-graph
+    # capture) and the last round's overshoot; the tree region comes on top
     context = P + (warmup + args.steps + 2) * (depth + 1) + 2 * (depth + 1)
     model.setup_caches(1, context + largest)
     for draft in drafts.values():
@@ -733,22 +667,22 @@ def run_random_weights(args, argv=None) -> dict:
         allow_many_graphs()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    quantize = args.quantize if args.quantize != "int4" else f"int4 g{args.groupsize}"
     report = dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
-                  weights="random", quantize=args.quantize and (args.quantize if args.quantize == "int8"
-                                                                else f"int4 g{args.groupsize}"),
-                  quantized=quantized, parameters=parameters, weight_bytes_per_token=weight_bytes, prompt_length=P,
-                  steps=args.steps, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, timing=timing,
-                  copy_gb_s=copy_bandwidth_gb_s(device), time_budget_s=args.time_budget, rounds=[],
-                  skipped=[], tp_timing=None, weight_bytes_per_rank=tp.weight_bytes(model))
+                  weights="random", quantize=quantize, quantized=quantized, parameters=parameters,
+                  weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps, tree_top_k=args.tree_top_k,
+                  tree_depth=args.tree_depth, timing=timing, copy_gb_s=copy_bandwidth_gb_s(device),
+                  time_budget_s=args.time_budget, rounds=[], skipped=[], tp_timing=None,
+                  weight_bytes_per_rank=tp.weight_bytes(model))
 
     def save():  # after every measurement: a run stopped from outside keeps what it measured
         report.update(peak_memory_gb=gen.peak_memory_gb(device), seconds=time.perf_counter() - start)
         write_json(Path(str(args.out) + ".json"), report)
 
-    def timed(fn):  # fn as this run times it: compiled (or eager) as it is, or replayed as a CUDA graph
+    def timed(fn):  # as this run times it: compiled (or eager) as it is, or replayed as a CUDA graph
         return cuda_graph(fn) if timing == "cuda graph" else fn
 
-    def plain_step():  # a fresh decode step: compiled ones see the model's hooks as they are now
+    def plain_step():  # a fresh decode step: a compiled one sees the model's hooks as they are now
         step = compile_step(gen.decode_one_token, device, model) if args.compile else gen.decode_one_token
         return timed(step_timer(model, step, prompt))
 
@@ -756,8 +690,7 @@ def run_random_weights(args, argv=None) -> dict:
     prompt = torch.randint(0, config.vocab_size, (1, P), device=device)
     t = time.perf_counter()
     step_s = seconds_per_call(plain_step(), args.steps, device, warmup)
-    report["vanilla"] = dict(tokens_per_s=1 / step_s, step_ms=step_s * 1e3, gb_s=weight_bytes / step_s / 1e9,
-                             fraction_of_copy=weight_bytes / step_s / 1e9 / report["copy_gb_s"],
+    report["vanilla"] = dict(decode_speed(step_s, weight_bytes, report["copy_gb_s"]),
                              warmup_s=time.perf_counter() - t - step_s * args.steps)
     save()
     if args.tp_timing:
@@ -792,11 +725,10 @@ def run_random_weights(args, argv=None) -> dict:
 
 
 def tp_step_timing(model: Transformer, plain_step, step_s: float, args) -> dict:
-    """(d) of --tp_timing: a tensor-parallel decode step (step_s, measured) against the same step
-    with its all-reduces removed (each rank computes its own shard and nothing else: the tokens
-    are wrong, the work is the same) and against the all-reduces alone, chained as in the model
-    (each added to the residual stream before the next). If the step costs its shard's compute
-    plus its collectives, step = without + all-reduces."""
+    """(d) --tp_timing: the tensor-parallel step (step_s) against the same step without its all-reduces
+    (each rank computes its shard and nothing else: wrong tokens, the same work) and against the
+    all-reduces alone, chained as in the model. If the step is its compute plus its collectives,
+    step = without + all-reduces."""
     n = tp.set_all_reduces(model, False)
     local_s = seconds_per_call(plain_step(), args.steps, args.device)
     tp.set_all_reduces(model, True)
@@ -818,7 +750,7 @@ def tp_step_timing(model: Transformer, plain_step, step_s: float, args) -> dict:
 
 
 def random_weights_markdown(report: dict) -> str:
-    v = report["vanilla"]
+    v, rounds = report["vanilla"], report["rounds"]
     quantized = f", {report['quantize']}" if report["quantize"] else ""
     lines = [*header_markdown(report, f"{report['model']} (random weights{quantized})"),
              f"- {report['parameters'] / 1e9:.3f} B parameters; a step reads {report['weight_bytes_per_token'] / 1e9:.3f} "
@@ -833,13 +765,11 @@ def random_weights_markdown(report: dict) -> str:
              "## (b) one round against one plain step timed the same way", "",
              "| method | tree tokens | round (ms) | cost in plain steps | warm-up incl. compile (s) |", "|---|---|---|---|---|",
              *[f"| {r['method']} | {r['tree_tokens']} | {r['round_ms']:.2f} | {r['cost_vs_step']:.2f} | {r['warmup_s']:.1f} |"
-               for r in report["rounds"]]]
+               for r in rounds]]
     if report["skipped"]:
-        lines += ["", "Left out by --time_budget: " + ", ".join(f"{s['method']} {s['tree_tokens']}"
-                                                                for s in report["skipped"])]
+        lines += ["", "Left out by --time_budget: " + ", ".join(f"{s['method']} {s['tree_tokens']}" for s in report["skipped"])]
     lines += ["", "## (c) predicted speedup = τ × step / round", "",
-              "| τ | " + " | ".join(f"{r['method']} {r['tree_tokens']}" for r in report["rounds"]) + " |",
-              "|---|" + "---|" * len(report["rounds"])]
+              "| τ | " + " | ".join(f"{r['method']} {r['tree_tokens']}" for r in rounds) + " |", "|---|" + "---|" * len(rounds)]
     for tau in dict.fromkeys(p["tau"] for p in report["predicted"]):
         lines.append(f"| {tau:g} | " + " | ".join(f"{p['speedup']:.2f}×" for p in report["predicted"] if p["tau"] == tau) + " |")
     t = report["tp_timing"]
@@ -876,13 +806,8 @@ def main(argv=None):
         return report  # rank 0 writes the files
     out = str(args.out)  # not with_suffix: "random-llama-3.1-8b" has a dot of its own
     write_json(Path(out + ".json"), report)
-    if args.random_weights:
-        Path(out + ".md").write_text(random_weights_markdown(report))
-    else:
-        Path(out + ".md").write_text(mt_bench_markdown(report))
-        if not args.no_plot:
-            mt_bench_plot(report, Path(out + ".png"))
-    print(f"wrote {out}.json, .md" + ("" if args.no_plot or args.random_weights else " and .png"), file=sys.stderr)
+    Path(out + ".md").write_text((random_weights_markdown if args.random_weights else mt_bench_markdown)(report))
+    print(f"wrote {out}.json and .md", file=sys.stderr)
     return report
 
 

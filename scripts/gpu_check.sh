@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU path of the project in one command, on a bare GPU machine: its own python3 with torch
-# and triton, nothing installable, no network; within TOTAL_S seconds. How to run it on a lent
-# machine and what to read in its results: docs/gpu_check.md.
+# Every GPU path of the project in one command, on a bare GPU machine (its own python3 with torch
+# and triton, nothing installable, no network), within TOTAL_S seconds. Running it on a lent machine
+# and reading its results: docs/gpu_check.md.
 #
 #   bash scripts/gpu_check.sh OUT_DIR            the check; everything it writes goes under OUT_DIR
 #   bash scripts/gpu_check.sh --dry_run OUT_DIR  every stage's command only checks its arguments (no GPU)
@@ -9,33 +9,26 @@
 #   bash scripts/gpu_check.sh --join             there: join the parts (the check does this itself)
 #   bash scripts/gpu_check.sh --checkpoint       there: print SmolLM2's model.pth, joined and converted if needed
 #
-# Stages, in this order, each with a time budget in seconds (what a stage leaves out is logged):
-#   1. pytest of every CUDA test: kernels against their references, the compiled round with the
-#      kernel, int8/int4 CUDA paths, greedy equality with vanilla in float32 (eagle, eagle2, eagle3;
-#      SmolLM2 is joined first, so that these run)
-#   2. random weights, llama-2-7b and llama-3.1-8b shapes, bf16: plain decode GB/s next to a
-#      device copy, one round / one plain step for every method and tree sizes 16..128, all as
-#      CUDA-graph replays of the eager step and rounds (no Inductor: compiling a 7B step and round
-#      takes longer than the stage's budget); then int8 and int4 g32 targets (quantized in memory)
-#   3. SmolLM2-135M-Instruct with the shipped heads on an MT-bench subset: bf16 compiled with
-#      --batch_invariant (eagle2, eagle3; kernels/invariant.py, where every answer should equal
-#      vanilla's, and a row of plain decoding without the mode: its cost in the same run), then,
-#      if time is left, float32 eager (every method, T=0: speedup, tau, equality). The compiled run
-#      spends most of its time compiling four graphs, so stage 3 has the largest budget.
-# OUT_DIR ends up holding gpu_check.log (what ran, how long, what was skipped), summary.md (every
-# table) and details.tar.gz (each run's log, JSON and Markdown, pytest's XML): three files, as
-# few as a device call returns.
+# Stages, in order, each within a time budget (what a budget leaves out is logged):
+#   1. pytest -k cuda: the kernels against their references, compiled rounds with the kernel, int8/int4,
+#      greedy equality with vanilla in float32 (SmolLM2 is joined first, so that these run)
+#   2. random weights of the llama-2-7b and llama-3.1-8b shapes in bf16, then int8 and int4 g32: decode
+#      GB/s beside a device copy, and one round against one plain step at tree sizes 16..128
+#   3. SmolLM2-135M-Instruct with the shipped heads on MT-bench: bf16 compiled with --batch_invariant
+#      (every answer should equal vanilla's; a row without the mode prices it), then float32 eager
+#      with every method at T=0 if time is left
+# OUT_DIR ends up with three files: gpu_check.log (what ran, how long, what was skipped), summary.md
+# (every table) and details.tar.gz (each run's log, JSON and Markdown, pytest's XML).
 #
-# The SmolLM2 GGUF (98 MB) travels in parts under 64 MiB: --split writes them, with a checksum,
-# the pure-Python 'gguf' package the conversion needs (the GPU image lacks it) and the MT-bench
-# questions, to $GPU_CHECK_PARTS (default downloads/parts, git-ignored). The check joins and converts them into
-# downloads/SmolLM2-135M-Instruct/ unless $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/
-# already holds a model.pth.
+# The SmolLM2 GGUF (98 MB) travels in parts: --split writes them to $GPU_CHECK_PARTS (default
+# downloads/parts, git-ignored) with a checksum, the pure-Python 'gguf' package the conversion needs
+# and the MT-bench questions. The check joins and converts them into downloads/SmolLM2-135M-Instruct/
+# unless $SMOLLM2_CHECKPOINT or checkpoints/SmolLM2-135M-Instruct/model.pth exists.
 #
 # Settings (environment): PYTHON (python3), STAGE1_S 120, STAGE2_S 90, STAGE3_S 350, TOTAL_S 570,
-# GPU_CHECK_PART_SIZE (25M: a device call carries 64 MiB, the working tree included),
-# MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD
-# (heads/SmolLM2-135M-Instruct-eagle3: eagle3 runs when it exists).
+# GPU_CHECK_PART_SIZE (25M, so that one part and the working tree fit a 64 MiB device call),
+# MT_BENCH_QUESTIONS (the question file), EAGLE3_HEAD (heads/SmolLM2-135M-Instruct-eagle3; eagle3
+# runs when it exists).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,9 +48,7 @@ EAGLE3_HEAD="${EAGLE3_HEAD:-heads/SmolLM2-135M-Instruct-eagle3}"
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "[gpu_check] error: $*" >&2; exit 2; }
 
-# --------------------------------------------------------------------------------------------
-# The GGUF's trip: --split here, --join there
-# --------------------------------------------------------------------------------------------
+# ---- The GGUF's trip: --split here, --join there ------------------------------------------
 split_gguf() {  # split_gguf [FILE]
     local file="${1:-checkpoints/.downloads/$GGUF_NAME}" name
     [ -f "$file" ] || die "no file to split: $file (run bash scripts/prepare.sh SmolLM2-135M-Instruct first)"
@@ -120,16 +111,13 @@ smollm2_checkpoint() {  # prints the path of a converted SmolLM2 model.pth, conv
     echo "$dir/model.pth"
 }
 
-# The packages that travelled with the parts (gguf, for the conversion), for this script's Python.
-# Not for --split: it copies the gguf package from this machine into $PARTS/python.
+# The gguf package that travelled with the parts, for the conversion (not for --split, which copies it).
 use_carried_python() {
     [ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
     return 0
 }
 
-# --------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------
+# ---- Arguments ----------------------------------------------------------------------------
 DRY=0
 case "${1:-}" in
     -h|--help) usage; exit 0 ;;
@@ -214,9 +202,7 @@ else
     PREP_PID=$!
 fi
 
-# --------------------------------------------------------------------------------------------
-# Stage 1: every CUDA test (test ids with "cuda"; the CPU twins skip or run in seconds)
-# --------------------------------------------------------------------------------------------
+# ---- Stage 1: every CUDA test (ids with "cuda"; their CPU twins skip or take seconds) --------
 log "stage 1: pytest of the CUDA tests (budget $STAGE1_S s)"
 if [ "$DRY" = 1 ]; then
     run stage1-pytest "$STAGE1_S" "$PY" -m pytest tests -q -k cuda -p no:cacheprovider --collect-only \
@@ -227,11 +213,9 @@ else
 fi
 grep -E "passed|failed|error|no tests ran|collected" "$OUT/details/stage1-pytest.log" | tail -n 1 | while read -r line; do log "stage 1: $line"; done
 
-# --------------------------------------------------------------------------------------------
-# Stage 2: random weights. The vanilla step and every round as CUDA-graph replays of the eager
-# ones (no compile: see the header). Shares of the stage budget, in order; a run stops starting
-# rounds at its --time_budget.
-# --------------------------------------------------------------------------------------------
+# ---- Stage 2: random weights ----------------------------------------------------------------
+# The plain step and every round as CUDA-graph replays of the eager code: compiling a 7B step and
+# round takes longer than the budget. Each run gets a share of it and stops at its --time_budget.
 STAGE2_END=$(( SECONDS + $(min "$STAGE2_S" $(( $(left) - STAGE3_S ))) ))  # stage 3's budget stays reserved
 log "stage 2: random weights (budget $(( STAGE2_END - SECONDS )) s)"
 stage2() {  # stage2 NAME SHARE_PERCENT ARGS...
@@ -247,10 +231,7 @@ stage2 random-llama-3.1-8b-bf16 25 --model_name llama-3.1-8b
 stage2 random-llama-2-7b-int8 20 --model_name llama-2-7b --quantize int8
 stage2 random-llama-2-7b-int4-g32 20 --model_name llama-2-7b --quantize int4 --groupsize 32
 
-# --------------------------------------------------------------------------------------------
-# Stage 3: SmolLM2-135M-Instruct on MT-bench: bf16 compiled in batch-invariant mode, then float32
-# eager for equality (every method, T=0).
-# --------------------------------------------------------------------------------------------
+# ---- Stage 3: SmolLM2-135M-Instruct on MT-bench ---------------------------------------------
 log "stage 3: SmolLM2-135M-Instruct on MT-bench (budget $(min "$STAGE3_S" "$(left)") s)"
 [ -n "${PREP_PID:-}" ] && { wait "$PREP_PID" || log "stage 3: preparing SmolLM2 failed: $(tail -n 3 "$OUT/details/prepare-smollm2.log" | tr '\n' ' ')"; }
 CKPT="$(cat "$CKPT_FILE" 2>/dev/null)"
@@ -276,14 +257,13 @@ else
         budget=$(min $(( STAGE3_S * share / 100 )) $(( STAGE3_END - SECONDS )))
         run "$name" "$budget" "$PY" scripts/benchmark.py --device cuda --checkpoint_path "$CKPT" "${QUESTIONS[@]}" \
             --draft_checkpoint_path heads/SmolLM2-135M-Instruct --draft3_checkpoint_path "$EAGLE3_HEAD" \
-            --num_questions 8 --max_new_tokens 128 --no_plot --time_budget $(( budget > 40 ? budget - 20 : budget / 2 )) \
+            --num_questions 8 --max_new_tokens 128 --time_budget $(( budget > 40 ? budget - 20 : budget / 2 )) \
             --out "$OUT/details/$name" "${DRYFLAG[@]}" "$@"
     }
     FAST=(eagle2)  # the compiled run: each method's round is one more graph to compile
     [ -f "$EAGLE3_HEAD/draft_config.json" ] && FAST+=(eagle3)
-    # bf16 compiled in batch-invariant mode first: its answers should all equal vanilla's, and its
-    # row of plain decoding without the mode (compiled as vanilla's is) prices the mode in the same
-    # run. Most of its time goes to compiling four graphs.
+    # bf16 compiled in batch-invariant mode: every answer should equal vanilla's, and the row without
+    # the mode prices it in the same run. Compiling its four graphs takes most of its time.
     stage3 mt_bench-smollm2-bf16-invariant 100 --dtype bfloat16 --compile --batch_invariant --temperatures 0 \
         --methods "${FAST[@]}"
     # float32 eager equality, if time is left (stage 1's SmolLM2 tests check it too)

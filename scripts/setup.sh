@@ -4,10 +4,9 @@
 #   bash scripts/setup.sh          # .venv with torch + requirements.txt
 #   bash scripts/setup.sh --dev    # ... plus requirements-dev.txt (pytest, transformers)
 #
-# Creates .venv in the repository root when it is missing, installs torch when the venv has
-# none, then the requirements files. A stamp file per requirements set (.venv/.requirements*.sha)
-# records the hash of the files last installed, so a rerun with unchanged files skips pip and
-# takes a fraction of a second. Set PYTHON to pick the interpreter used to create the venv.
+# Creates .venv when it is missing, installs torch when the venv has none, then the requirements.
+# A stamp per requirements set (.venv/.requirements*.sha) holds the hash of the files last installed,
+# so a rerun with unchanged files skips pip. PYTHON picks the interpreter that creates the venv.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,7 +16,7 @@ DEV=0
 for arg in "$@"; do
     case "$arg" in
         --dev) DEV=1 ;;
-        -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
         *) echo "[setup] unknown argument: $arg (expected --dev)" >&2; exit 2 ;;
     esac
 done
@@ -45,17 +44,13 @@ if ! "$PY" -c '' >/dev/null 2>&1; then
     exit 1
 fi
 
-# -qq: errors only (a single -q still prints warnings, e.g. about unreachable extra indexes).
+# -qq: errors only (-q still prints warnings).
 pip_install() { "$PY" -m pip install -qq --disable-pip-version-check "$@"; }
 
-# 2. torch, installed before the requirements so that their loose 'torch>=...' is already
-# satisfied and pip never picks a torch build on its own. On a CPU-only machine here pip's
-# find-links (/opt/wheels, from the pip config) holds the torch-2.13.0+cpu wheel, which pip
-# prefers over PyPI's 2.13.0 ('+cpu' sorts higher and matches the pin), so no CUDA wheels are
-# pulled; on a machine with an NVIDIA GPU and no such wheel the same command installs PyPI's
-# default CUDA build of 2.13.0. To use another build (e.g. CPU-only elsewhere, from PyTorch's
-# CPU wheel index), install it into .venv first: this step only runs when torch is missing.
-# (find_spec instead of 'import torch': it answers in milliseconds, keeping reruns instant.)
+# 2. torch, before the requirements, so that their loose 'torch>=...' is already met and pip never
+# picks a build on its own. A '+cpu' wheel in pip's find-links wins over PyPI's build of the same
+# version; elsewhere PyPI's default (CUDA) build is installed. For another build, install it into
+# .venv first: this step runs only when torch is missing (find_spec: no slow 'import torch').
 if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
     log "installing torch==2.13.0 (one-time, may take a few minutes)"
     pip_install torch==2.13.0
@@ -75,8 +70,8 @@ print(h.hexdigest())
 PYEOF
 }
 
-# Install FILE... unless STAMP records their hash. Note: not called as an 'if' condition,
-# since bash ignores 'set -e' inside functions called there (a failed pip would be stamped).
+# Install FILE... unless STAMP records their hash. Never call it as an 'if' condition: bash ignores
+# 'set -e' inside it there, and a failed pip would be stamped.
 installed=0
 install_reqs() {  # install_reqs STAMP FILE...
     local stamp="$VENV/$1"; shift
