@@ -184,7 +184,6 @@ def draft_config_for(target: ModelArgs, **overrides) -> ModelArgs:
     return ModelArgs(**fields)
 
 
-# ---------------------------------------------------------------------------------------------
 # Growing a tree. The draft's cache keeps the accepted prefix in its first slots and the tree in
 # a fixed region at its end; every tree node's entry sees the prefix and its ancestors' entries.
 #   draft: EagleDraft or Eagle3Draft; embed: the target's embedding module; head: the target's
@@ -194,7 +193,6 @@ def draft_config_for(target: ModelArgs, **overrides) -> ModelArgs:
 #   prefix_len [B]: tokens in the target's cache; the root is token prefix_len, a depth-d node is
 #   token prefix_len + d, and its draft entry lives at draft position prefix_len + d - 1.
 # Tokens in a tree are target ids: an EAGLE-3 draft's choices are mapped as they are made.
-# ---------------------------------------------------------------------------------------------
 def dynamic_tree_slots(top_k: int, depth: int) -> int:
     """Draft cache slots an EAGLE-2 tree needs: top_k frontier entries for each of depth - 1 levels."""
     return top_k * (depth - 1)
@@ -293,12 +291,10 @@ def grow_static_tree(draft, embed, head, tree: StaticTree, root: Tensor, root_hi
                 tree.paths.expand(B, T, -1))
 
 
-# ---------------------------------------------------------------------------------------------
 # Prompt lookup: a draft without a model. The text so far often repeats itself (code, lists,
 # quotes of the prompt, a model stuck in a loop): after the longest n-gram that ends the text and
 # occurred before, guess that what followed it then follows again. Static shapes, no host sync:
 # it runs inside a compiled round, over a history buffer of fixed size.
-# ---------------------------------------------------------------------------------------------
 def lookup_continuation(history: Tensor, length: Tensor, k: int, max_ngram: int = 4):
     """history [B, H] token ids, of which the first length[b] are row b's text. For every earlier
     position i, n(i) = how many tokens ending at i equal the tokens ending the text (up to

@@ -5,12 +5,7 @@
 The decode step is one compiled graph (CUDA graphs on GPU), and so is a speculative round
 (speculative.py). The next token never leaves the device: the host looks at generated tokens
 only to stream them or, every few steps, to stop at an end-of-turn token. What is not given on
-the command line comes from defaults.py's table.
-
-Tensor parallelism (tp.py): the same command under torchrun shards the target over the ranks;
-rank 0 prints and writes the JSON report.
-
-    python -m torch.distributed.run --nproc_per_node 2 generate.py --checkpoint_path ... --speculate eagle2
+the command line comes from defaults.py's table. Under torchrun the target is sharded (tp.py).
 """
 import argparse
 import json
@@ -35,15 +30,13 @@ from model import Transformer
 from quantize import mode_from_path
 from sampling import all_stopped, cut_at_stop, sample
 from speculative import Speculator, speculative_generate
-from tokenizer import load_tokenizer
+from tokenizer import TextStreamer, load_tokenizer
 from trees import mc_sim_7b_63, static_tree
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
 
 
-# ---------------------------------------------------------------------------------------------
 # Plain decoding
-# ---------------------------------------------------------------------------------------------
 def prefill(model: Transformer, prompt: Tensor, temperature, top_k, top_p) -> Tensor:
     """Run the prompt [B, L] through the model, filling cache slots 0..L-1; returns the first new token [B]."""
     logits = model(prompt, torch.arange(prompt.size(1), device=prompt.device))
@@ -112,9 +105,7 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
-# ---------------------------------------------------------------------------------------------
 # Command line
-# ---------------------------------------------------------------------------------------------
 # --speculate METHOD: the head it takes (its default folder beside the checkpoint)
 SPECULATE = {
     "eagle": dict(folder="eagle", arch=EagleDraft),  # EAGLE-1's static tree (mc_sim_7b_63, or --tree FILE.json)
@@ -234,14 +225,11 @@ def check_args(args):
     quantized = mode_from_path(args.checkpoint_path)[0]
     if args.dtype == "auto":  # eager on a CPU the mode holds in bf16 only
         args.dtype = "bfloat16" if args.batch_invariant and not args.compile else row.dtype
-    tensor_parallel = tp.launched_by_torchrun()
+    problem = invariant.problem(args.device, args.dtype, args.compile, quantized, tp.launched_by_torchrun())
     if args.batch_invariant is None:
-        args.batch_invariant = (defaults.invariant(row, args.dtype, quantized) and invariant.problem(
-            args.device, args.dtype, args.compile, quantized, tensor_parallel) is None)
-    if args.batch_invariant:
-        problem = invariant.problem(args.device, args.dtype, args.compile, quantized, tensor_parallel)
-        if problem:
-            raise ValueError(problem)
+        args.batch_invariant = defaults.invariant(row, args.dtype, quantized) and problem is None
+    if args.batch_invariant and problem:
+        raise ValueError(problem)
     args.tree_file = args.tree if args.speculate == "eagle" else None  # None: mc_sim_7b_63
     args.tree_top_k = args.tree_depth = args.tree_tokens = None
     if args.speculate in ("eagle2", "eagle3"):
@@ -306,8 +294,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
                 and invariant.eager_invariant_rows(model, most=2) < 2):
             # no tree fits (a root and one guess are 2 rows): say so before --tree auto measures shapes
             raise ValueError("--batch_invariant without --compile: this CPU's eager GEMMs round a verify's rows apart "
-                             "from one-token steps for every tree (invariant.eager_invariant_rows: 1 row): compile "
-                             "(--compile), or speculate without --batch_invariant")
+                             "from one-token steps for every tree: compile, or speculate without --batch_invariant")
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         step, first = decode_one_token, prefill
@@ -420,6 +407,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
     if args.compile:  # the first call compiles (or loads the compiled graphs): a warm-up, not reported
+        print("Compiling the decode step and the round, or loading them from Inductor's disk cache (the first "
+              "time on a machine takes minutes)...", file=sys.stderr)
         t = time.perf_counter()
         decode(prompt_ids, args.max_new_tokens)
         print(f"Compilation and warm-up: {time.perf_counter() - t:.2f} s", file=sys.stderr)
@@ -557,24 +546,6 @@ def interactive(decode, context: int, tokenizer, args):
                         callback=lambda tok: streamer.put(int(tok[0])))
         print(f"\n[{len(ids)} tokens, {len(ids) / (time.perf_counter() - t):.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": tokenizer.decode(_strip_stop(ids, tokenizer.stop_ids))})
-
-
-
-class TextStreamer:
-    """Prints text as tokens arrive. Byte-level BPE can split one character over several tokens,
-    so re-decode everything and print only the new, complete part."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
-
-    def put(self, token: int):
-        if token in self.tokenizer.stop_ids:
-            return
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            print(text[self.printed:], end="", flush=True)
-            self.printed = len(text)
 
 
 if __name__ == "__main__":

@@ -152,10 +152,9 @@ class Speculator(nn.Module):
         return self.tree_tokens - 1 if self.static is not None else dynamic_tree_slots(self.tree_top_k, self.tree_depth)
 
     def setup(self, batch_size: int, max_seq_length: int):
-        """Caches and state for batch_size rows of up to max_seq_length tokens each, plus the
-        tree regions at the ends of both caches. Everything a round reads lives on the model's
-        device from here on: a tensor left on the host would cost a copy inside every round, split
-        its graph, or fail outright (a comparison of a CUDA and a CPU tensor)."""
+        """Caches and state for batch_size rows of up to max_seq_length tokens each, plus the tree
+        regions at the ends of both caches, all on the model's device (a tensor left on the host
+        would cost a copy inside every round, or split its graph)."""
         device = self.target.norm.weight.device
         self.stop_ids = self.stop_ids.to(device)
         if self.static is not None:
@@ -189,10 +188,8 @@ class Speculator(nn.Module):
         self.read_prompt(prompt, max_new_tokens, root)
 
     def read_prompt(self, prompt: Tensor, max_new_tokens: int, root: Optional[Tensor] = None):
-        """prefill once the caches and buffers are big enough. --compile_prefill compiles this part
-        only: growing them (setup) allocates and registers buffers and asks whether the target's
-        caches are still views of one storage, a data-pointer comparison that dynamo refuses to
-        trace; that host work stays in prefill, eager, before the graph is called."""
+        """prefill once the caches and buffers are big enough: the part a compiled prefill compiles
+        (growing them, setup, is host work that dynamo cannot trace)."""
         B, L = prompt.shape
         target, device = self.target, prompt.device
         logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
@@ -216,10 +213,8 @@ class Speculator(nn.Module):
         self.out.zero_()
         self.out[:, 0] = root
         self.n_out.fill_(1)
-        # Tokens still to emit, counted down by every round and plain step. Not a constant limit that
-        # the graphs compare n_out with: Inductor's freezing folds every buffer a graph reads and
-        # never writes into the graph as a constant, so a limit would stay at the value of the call
-        # that compiled the graph (a warm-up's), whatever max_new_tokens later calls ask for.
+        # Tokens still to emit, counted down by every round and plain step: a limit that the graphs
+        # only read would be frozen into them at the value of the call that compiled them.
         self.left.fill_(max_new_tokens - 1)
         self.done.copy_(is_stop(root, self.stop_ids) | (self.left <= 0))
 
@@ -349,10 +344,8 @@ class Speculator(nn.Module):
         self.cu_tokens[:, 0] = self.cu_tokens[rows, last]
         self.cu_features[:, 0] = self.cu_features[rows, last]
         self.cu_count.copy_(self.cu_count.clamp(max=1))
-        # The catch-up above reads prefix_len, which this graph does not otherwise write: compiled
-        # with Inductor's freezing (CPU), a buffer a graph only reads becomes a constant of the graph
-        # (its value at compile time), and the draft would read later pairs at stale positions.
-        # Writing it back keeps it an input of the graph.
+        # Inductor's freezing makes a buffer that a graph only reads a constant of the graph: writing
+        # prefix_len back keeps it an input, or the catch-up would read later pairs at stale positions.
         self.prefix_len.copy_(self.prefix_len)
 
     def lookup_signal(self) -> Tensor:
@@ -360,13 +353,11 @@ class Speculator(nn.Module):
         return lookup_continuation(self.history, self.prefix_len + 1, 1, self.lookup_ngram)[2]
 
 
-# ---------------------------------------------------------------------------------------------
 # Adaptive decoding. A tree pays only while the text is predictable: the driver keeps running
 # estimates of what a round costs and emits on this answer, and of what a plain step costs, and
 # decodes with whichever is faster now. In a plain stretch it probes with a round now and then, and
 # at once when prompt lookup sees a long match at the text's end (the text has started to repeat).
 # The decisions are the host's, between graphs that are each compiled once: no recompilation.
-# ---------------------------------------------------------------------------------------------
 ADAPT_DECAY = 0.5        # weight of the newest observation in a running estimate
 PLAIN_BURST = 8          # plain steps between two looks at the state (stop, lookup, probe)
 PROBE_EVERY = 32         # plain steps before a probe round

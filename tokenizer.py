@@ -373,3 +373,20 @@ def gguf_tokenizer_meta(metadata: dict) -> dict:
     return {"file": "tokenizer.json", "chat_template": chat_template, "system_prompt": system_prompt,
             "bos_id": bos_id, "add_bos": bool(add_bos) and bos_id is not None,
             "stop_ids": sorted(stop_ids - {None})}
+
+
+class TextStreamer:
+    """Prints text as tokens arrive. Byte-level BPE can split one character over several tokens,
+    so re-decode everything and print only the new, complete part."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def put(self, token: int):
+        if token in self.tokenizer.stop_ids:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            print(text[self.printed:], end="", flush=True)
+            self.printed = len(text)

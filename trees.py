@@ -68,9 +68,7 @@ def tree_structure(parents: Tensor, max_depth: int):
     return depth, ancestors, paths
 
 
-# ---------------------------------------------------------------------------------------------
 # Static trees (EAGLE-1)
-# ---------------------------------------------------------------------------------------------
 class StaticTree(NamedTuple):
     """A tree whose shape is fixed in advance; only the tokens are filled in each round.
     Without a batch dimension: the same shape serves every row."""
@@ -115,9 +113,7 @@ def static_tree(choices: List[List[int]]) -> StaticTree:
     return StaticTree(parents_t, torch.tensor(ranks), depth[0], ancestors[0], node_paths[0], levels, max(ranks) + 1)
 
 
-# ---------------------------------------------------------------------------------------------
 # Dynamic trees (EAGLE-2)
-# ---------------------------------------------------------------------------------------------
 # Scores are cumulative draft log-probabilities. A child's score must be strictly below its
 # parent's, so that keeping the best nodes never keeps a child without its parent; a draft
 # probability that rounds to 1 would otherwise make them tie.
@@ -150,9 +146,7 @@ def rerank(pool_scores: Tensor, pool_parents: Tensor, n_keep: int):
     return keep, torch.cat([root, parents], dim=1)
 
 
-# ---------------------------------------------------------------------------------------------
 # Hybrid trees: a chain of guesses from elsewhere (prompt lookup) grafted onto a tree
-# ---------------------------------------------------------------------------------------------
 def graft_chain(tree: Tree, chain: Tensor, k: int) -> Tree:
     """The tree with k more nodes: chain [B, D + k] guesses the tokens after the root in order
     (D = the tree's depth). Its longest prefix that the tree already holds as a path from the root

@@ -247,3 +247,32 @@ def test_enable_refuses_a_sliding_window_and_a_second_call_only_moves_the_window
     invariant.enable(model, window=8)
     invariant.enable(model, window=16)
     assert model.invariant_window == 16 and len(model._forward_pre_hooks) == 1
+
+
+@pytest.mark.all_threads
+@torch.no_grad()
+def test_compiled_step_and_round_trace_the_modes_hooks_and_give_plain_decodings_tokens():
+    """What generate.py --compile runs in the mode: the decode step and the round compiled as
+    wholes (compiling.compile_step, compile_round), the mode's forward hooks traced into their
+    graphs, the prefill eager; bf16 greedy speculative output equals compiled plain decoding's."""
+    import generate as gen
+    import speculative
+    from compiling import compile_round, compile_step
+    from conftest import mirrored_pair
+
+    torch._dynamo.reset()
+    target, draft = mirrored_pair(seed=4)
+    target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
+    invariant.enable(target)
+    spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=10, lookup=3)
+    spec.setup(1, 96)
+    round_fn = compile_round(spec).round
+    step = compile_step(gen.decode_one_token, "cpu", target)
+    try:
+        for seed in (1, 2):
+            prompt = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(seed))
+            plain = gen.generate(target, prompt, 40, decode_fn=step)
+            ids, rounds = speculative.speculative_generate(spec, prompt, 40, round_fn=round_fn)
+            assert ids == plain and max(map(max, rounds)) > 1
+    finally:
+        torch._dynamo.reset()
