@@ -15,6 +15,7 @@ A prefill keeps the usual kernels: plain and speculative decoding prefill with t
 shapes, so its rows need equal no other's.
 """
 import functools
+import types
 from typing import NamedTuple, Optional
 
 import torch
@@ -60,8 +61,7 @@ def enable(model: Transformer, window: int = WINDOW) -> Transformer:
     if not first:
         return model
     if not cuda:  # the cache never shorter than MIN_SLOTS (a cache set up before grows now)
-        grow = model.setup_caches
-        model.setup_caches = lambda batch, length: grow(batch, max(length, MIN_SLOTS))
+        model.setup_caches = types.MethodType(_setup_caches_of_min_slots, model)  # (a deepcopy rebinds it)
         if model.max_seq_length > 0:
             model.setup_caches(model.max_batch_size, model.max_seq_length)
     for layer in model.layers:
@@ -72,6 +72,10 @@ def enable(model: Transformer, window: int = WINDOW) -> Transformer:
     if cuda:
         use_invariant_kernels(model)
     return model
+
+
+def _setup_caches_of_min_slots(model: Transformer, max_batch_size: int, max_seq_length: int):
+    Transformer.setup_caches(model, max_batch_size, max(max_seq_length, MIN_SLOTS))
 
 
 def _mode_attention(usual, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:

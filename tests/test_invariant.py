@@ -1,5 +1,7 @@
 """invariant.py, batch-invariant mode: a token's row is the same from a one-token step and from a
 verify of many, eager and compiled, and the mode's attention is attention."""
+import copy
+
 import pytest
 import torch
 
@@ -276,3 +278,11 @@ def test_compiled_step_and_round_trace_the_modes_hooks_and_give_plain_decodings_
             assert ids == plain and max(map(max, rounds)) > 1
     finally:
         torch._dynamo.reset()
+
+
+def test_a_deepcopy_of_a_model_in_the_mode_grows_its_own_cache():
+    model = make_model("tiny-llama", max_seq_length=96)
+    invariant.enable(model)
+    twin = copy.deepcopy(model)
+    twin.setup_caches(1, 700)
+    assert twin.max_seq_length == 700 and model.max_seq_length == invariant.MIN_SLOTS
