@@ -281,6 +281,13 @@ class Forwards(NamedTuple):
         return text
 
 
+def cache_length(needed: int, block_size: int) -> int:
+    """The KV cache length of a compiled run of prompt + new tokens = needed: the next power of two
+    from 512, at most the model's context. Compiled graphs have static shapes, the caches' among
+    them, so a prompt of another length reuses the graphs, from Inductor's disk cache in a new process."""
+    return min(block_size, max(512, 1 << (needed - 1).bit_length()))
+
+
 def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes=None):
     """A function prompt_ids, max_new_tokens, callback -> (new ids, Forwards or None) for the
     decoding method args ask for, compiled if asked. Caches are allocated here, once, for prompt +
@@ -399,10 +406,11 @@ def main(argv=None):
     if needed > model.config.block_size:
         sys.exit(f"error: the prompt has {len(prompt_ids)} tokens; with --max_new_tokens {args.max_new_tokens} "
                  f"that is {needed}, more than the model's context of {model.config.block_size} tokens")
+    context = cache_length(needed, model.config.block_size) if args.compile else needed
     try:
         if args.compare:
-            return compare(args, model, tokenizer, prompt_ids, needed)
-        decode = make_decoder(args, model, tokenizer.stop_ids, needed, probe_prompts(tokenizer, args.chat))
+            return compare(args, model, tokenizer, prompt_ids, context)
+        decode = make_decoder(args, model, tokenizer.stop_ids, context, probe_prompts(tokenizer, args.chat))
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 
