@@ -13,13 +13,18 @@ import sys
 from pathlib import Path
 
 
-def load_answers(path: Path) -> dict:
-    """{(method, question_id, turn, temperature): token ids} of a benchmark JSON."""
+def load_run(path: Path) -> tuple:
+    """A benchmark JSON's answers, {(method, question_id, turn, temperature): token ids}, and per
+    method the share of them its benchmark found equal to plain decoding's."""
     try:
-        report = json.loads(path.read_text())
-        return {(a["method"], a["question_id"], a["turn"], a["temperature"]): a["ids"] for a in report["answers"]}
+        answers = json.loads(path.read_text())["answers"]
+        ids, flags = {}, {}
+        for a in answers:
+            ids[a["method"], a["question_id"], a["turn"], a["temperature"]] = a["ids"]
+            flags.setdefault(a["method"], []).append(bool(a["equal_to_vanilla"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a benchmark JSON with token ids per answer ({type(e).__name__}: {e})") from None
+    return ids, {m: sum(f) / len(f) for m, f in flags.items()}
 
 
 def compare(before: dict, after: dict) -> dict:
@@ -34,15 +39,6 @@ def compare(before: dict, after: dict) -> dict:
                 answers=sum(m["answers"] for m in methods.values()))
 
 
-def equal_to_plain(path: Path) -> dict:
-    """Per method, the share of a run's answers its benchmark found equal to plain decoding's."""
-    answers = json.loads(path.read_text())["answers"]
-    flags = {}
-    for a in answers:
-        flags.setdefault(a["method"], []).append(bool(a["equal_to_vanilla"]))
-    return {m: sum(f) / len(f) for m, f in flags.items()}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("before", type=Path)
@@ -50,11 +46,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write the summary here as JSON")
     args = p.parse_args(argv)
     try:
-        result = compare(load_answers(args.before), load_answers(args.after))
+        (before, before_equal), (after, after_equal) = load_run(args.before), load_run(args.after)
     except ValueError as e:
         p.error(str(e))
+    result = compare(before, after)
     result.update(before=str(args.before), after=str(args.after),
-                  equal_to_plain=dict(before=equal_to_plain(args.before), after=equal_to_plain(args.after)))
+                  equal_to_plain=dict(before=before_equal, after=after_equal))
     print(f"{result['identical']}/{result['answers']} answers identical token for token "
           f"({result['only_in_one']} in one run only)")
     for method, m in result["methods"].items():
