@@ -262,6 +262,17 @@ def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[d
     return choice
 
 
+def auto_tree(model: Transformer, draft, prompts: list, device: str, compiled: bool, files, tree_top_k=None,
+              tree_depth=None, **kwargs) -> Optional[dict]:
+    """auto_shape for a run on device, compiled or not, the tree's top_k and depth fixed where given;
+    cached per machine, files (checkpoint, head: their names, sizes, times), dtypes and mode."""
+    key = dict(machine_key(device), files=[file_key(f) for f in files], dtype=str(model.norm.weight.dtype),
+               draft_dtype=str(draft.layer.ffn_norm.weight.dtype), compiled=compiled)
+    return auto_shape(model, draft, prompts, cuda_graphs=compiled and device.startswith("cuda"),
+                      compiled_cpu=compiled and device == "cpu", top_ks=AUTO_TOP_K if tree_top_k is None else (tree_top_k,),
+                      depths=range(1, 9) if tree_depth is None else (tree_depth,), cache_key=key, **kwargs)
+
+
 def auto_cache_dir() -> Path:
     """Where --tree auto keeps its measurements: $EAGLE_AUTO_CACHE, else the user's cache."""
     return Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "auto")

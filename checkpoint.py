@@ -116,16 +116,20 @@ def draft_files(path):
 
 
 def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dtype=torch.float32,
-               attention: str = "auto"):
+               attention: str = "auto", arch: Optional[str] = None):
     """An EagleDraft or Eagle3Draft from a draft folder or one (float or quantized) weights file in it,
-    checked against the target's config (None: no check, as when quantizing a draft alone)."""
+    checked against the target's config (None: no check, as when quantizing a draft alone) and,
+    where given, the arch the caller runs ("eagle": EAGLE-1/2, or "eagle3")."""
     folder, config_file, weights = draft_files(path)
     meta = read_json(config_file)
     try:
         config = ModelArgs(**meta["model"])
     except (TypeError, KeyError, ValueError) as e:
         raise ValueError(f"{config_file} is not a draft config: {e}") from None
-    arch = meta.get("arch", "eagle")
+    found, arch = meta.get("arch", "eagle"), arch or meta.get("arch", "eagle")
+    if found != arch:
+        raise ValueError(f"{path} holds {'an EAGLE-3' if found == 'eagle3' else 'an EAGLE-1/2'} head: use "
+                         f"--speculate {'eagle3' if found == 'eagle3' else 'eagle2 (or eagle)'}, or pass the right head")
     if target_config is not None:
         check_draft_fits(folder, arch, config, meta, target_config)
     with torch.device("meta"):

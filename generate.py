@@ -21,11 +21,10 @@ from torch import Tensor
 import defaults
 import invariant
 import tp
-from autoshape import AUTO_TOP_K, auto_shape, file_key, machine_key, probe_prompts
+from autoshape import auto_tree, probe_prompts
 from checkpoint import load_draft, load_model
 from compiling import compile_prefill, compile_round, compile_step, device_sync, missing_cpu_compile_settings
 from cpu import pack_linears, packed_bytes
-from draft import Eagle3Draft, EagleDraft
 from model import Transformer
 from quantize import mode_from_path
 from sampling import all_stopped, cut_at_stop, sample
@@ -82,10 +81,8 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, tempera
 
 
 def model_bytes_per_token(model: Transformer) -> int:
-    """Bytes of weights read by one decode step: every parameter except the embedding table, of
-    which a step reads one row (unless it doubles as the LM head), and of mixture-of-experts
-    weights only the k of E experts the token is routed to. The state dict, not the parameters:
-    quantized weights and their scales are buffers; oneDNN-packed weights are outside it."""
+    """Bytes of weights a decode step reads: the state dict (quantized weights and scales are buffers)
+    but one row of an untied embedding and k of E experts, plus oneDNN-packed weights (outside it)."""
     seen, total = set(), 0
     c = model.config
     for name, p in model.state_dict(keep_vars=True).items():
@@ -108,9 +105,9 @@ def peak_memory_gb(device: str) -> float:
 # Command line
 # --speculate METHOD: the head it takes (its default folder beside the checkpoint)
 SPECULATE = {
-    "eagle": dict(folder="eagle", arch=EagleDraft),  # EAGLE-1's static tree (mc_sim_7b_63, or --tree FILE.json)
-    "eagle2": dict(folder="eagle", arch=EagleDraft),
-    "eagle3": dict(folder="eagle3", arch=Eagle3Draft),
+    "eagle": dict(folder="eagle", arch="eagle"),  # EAGLE-1's static tree (mc_sim_7b_63, or --tree FILE.json)
+    "eagle2": dict(folder="eagle", arch="eagle"),
+    "eagle3": dict(folder="eagle3", arch="eagle3"),
     "lookup": dict(folder=None, arch=None),  # no draft: prompt lookup's chain alone
 }
 # Flags of earlier versions, each with what replaces it.
@@ -242,24 +239,12 @@ def check_args(args):
     return args
 
 
-def check_head(method: str, draft, path):
-    """A clear error when the head on disk is not the kind the method runs."""
-    if not isinstance(draft, SPECULATE[method]["arch"]):
-        kind = "an EAGLE-3" if isinstance(draft, Eagle3Draft) else "an EAGLE-1/2"
-        right = "eagle3" if isinstance(draft, Eagle3Draft) else "eagle2 (or eagle)"
-        raise ValueError(f"{path} holds {kind} head: use --speculate {right}, or pass the right --draft_checkpoint_path")
-
-
 class Forwards(NamedTuple):
-    """What the target's forwards after the prefill emitted for one speculative answer: per
-    forward, its tokens (a round's accepted ones plus the bonus, or 1 for a plain step), and how
-    many forwards were plain steps. Adaptive decoding takes plain steps where rounds do not pay on
-    this machine; counted as rounds of one token they would hide what the head accepts."""
+    """The tokens each target forward after the prefill emitted for one answer (a round's accepted
+    ones plus the bonus, or 1 for a plain step) and how many were plain steps: adaptive decoding's
+    plain steps, counted as rounds of one token, would hide what the head accepts."""
     emitted: list
     plain_steps: int = 0
-
-    def __add__(self, other: "Forwards") -> "Forwards":
-        return Forwards(self.emitted + other.emitted, self.plain_steps + other.plain_steps)
 
     @property
     def rounds(self) -> int:
@@ -282,26 +267,21 @@ class Forwards(NamedTuple):
 
 
 def cache_length(needed: int, block_size: int) -> int:
-    """The KV cache length of a compiled run of prompt + new tokens = needed: the next power of two
-    from 512, at most the model's context. Compiled graphs have static shapes, the caches' among
-    them, so a prompt of another length reuses the graphs, from Inductor's disk cache in a new process."""
+    """The KV cache length of a compiled run of `needed` tokens: the next power of two from 512, at most
+    the context. Graphs have static shapes, so a prompt of another length reuses them (or the disk cache's)."""
     return min(block_size, max(512, 1 << (needed - 1).bit_length()))
 
 
 def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes=None):
-    """A function prompt_ids, max_new_tokens, callback -> (new ids, Forwards or None) for the
-    decoding method args ask for, compiled if asked. Caches are allocated here, once, for prompt +
-    new tokens up to max_seq_length, so that no later call changes a compiled shape. probes: the
-    prompts (lists of ids) --tree auto measures on; when it picks no tree, args.speculate becomes
-    "none"."""
+    """A function prompt_ids, max_new_tokens, callback -> (new ids, Forwards or None) for the method
+    args ask for, compiled if asked, its caches allocated once for up to max_seq_length tokens (no
+    later call changes a compiled shape). probes: the prompts (lists of ids) --tree auto measures
+    on; when it picks no tree, args.speculate becomes "none"."""
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if not args.compile:
         pack_linears(model)  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
-        if (getattr(model, "invariant_window", None) is not None and args.speculate != "none"
-                and invariant.eager_invariant_rows(model, most=2) < 2):
-            # no tree fits (a root and one guess are 2 rows): say so before --tree auto measures shapes
-            raise ValueError("--batch_invariant without --compile: this CPU's eager GEMMs round a verify's rows apart "
-                             "from one-token steps for every tree: compile, or speculate without --batch_invariant")
+        if args.speculate != "none":  # before --tree auto measures shapes: does any tree fit?
+            invariant.check_eager_tree(model, 2)
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         step, first = decode_one_token, prefill
@@ -321,16 +301,13 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
         return speculative_decoder(args, Speculator(model, None, lookup=lookup, stop_ids=stop_ids, **sampling),
                                    max_seq_length, args.adaptive)
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else model.norm.weight.dtype
-    draft = load_draft(args.draft_checkpoint_path, model.config, args.device, draft_dtype)
-    check_head(args.speculate, draft, args.draft_checkpoint_path)
+    draft = load_draft(args.draft_checkpoint_path, model.config, args.device, draft_dtype,
+                       arch=SPECULATE[args.speculate]["arch"])
     if not args.compile:
         pack_linears(draft)
     if args.tree_tokens == "auto":
-        shape = auto_shape(model, draft, probes, cuda_graphs=args.compile and args.device.startswith("cuda"),
-                           compiled_cpu=args.compile and args.device == "cpu", lookup=lookup, stop_ids=stop_ids,
-                           top_ks=AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
-                           depths=range(1, 9) if args.tree_depth is None else (args.tree_depth,),
-                           cache_key=run_key(args, model, draft), **sampling)
+        shape = auto_tree(model, draft, probes, args.device, args.compile, (args.checkpoint_path, args.draft_checkpoint_path),
+                          args.tree_top_k, args.tree_depth, lookup=lookup, stop_ids=stop_ids, **sampling)
         if shape is None:
             args.speculate = "none"
             return make_decoder(args, model, stop_ids, max_seq_length)
@@ -343,23 +320,11 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     return speculative_decoder(args, spec, max_seq_length, args.adaptive)
 
 
-def run_key(args, model, draft) -> dict:
-    """What identifies a measurement of generate.py's run args: machine, files, dtypes, mode."""
-    return dict(machine_key(args.device), model=file_key(args.checkpoint_path), draft=file_key(args.draft_checkpoint_path),
-                dtype=str(model.norm.weight.dtype), draft_dtype=str(draft.layer.ffn_norm.weight.dtype),
-                compiled=args.compile, packed=not args.compile)
-
-
 def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: bool):
     """make_decoder's decode function for a Speculator: caches for max_seq_length tokens plus the
     last round's overshoot, compiled if asked."""
-    if getattr(spec.target, "invariant_window", None) is not None and not args.compile:
-        # asked of this CPU's GEMMs, up to the tree's size: all that this run needs to know
-        rows = invariant.eager_invariant_rows(spec.target, most=spec.n_nodes)
-        if spec.n_nodes > rows:
-            raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} "
-                             f"node{'s' if rows != 1 else ''} on this CPU (tree tokens + lookup), this one has "
-                             f"{spec.n_nodes}: compile, or pass a smaller --tree / --lookup")
+    if not args.compile:
+        invariant.check_eager_tree(spec.target, spec.n_nodes)
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
     if args.compile:
         compile_round(spec, args.compile_prefill)
@@ -439,9 +404,7 @@ def main(argv=None):
               "dtype": args.dtype, "compiled": args.compile, "batch_invariant": args.batch_invariant,
               "speculate": args.speculate, "temperature": args.temperature, "top_k": args.top_k,
               "tensor_parallel": shard.world_size if shard else 1, "weight_bytes_per_rank": tp.weight_bytes(model)}
-    if rounds is not None and rounds.emitted:
-        # tau: tokens per speculative round (each round is one verify forward), bonus token included;
-        # adaptive decoding's plain steps are counted apart
+    if rounds is not None and rounds.emitted:  # tau: tokens per round (bonus included), plain steps apart
         histogram = {n: rounds.emitted.count(n) for n in range(1, max(rounds.emitted) + 1)}
         histogram[1] -= rounds.plain_steps  # rounds that accepted no guess
         report.update(mean_accepted=rounds.tau, rounds=rounds.rounds, plain_steps=rounds.plain_steps,

@@ -142,6 +142,21 @@ def eager_invariant_rows(model: nn.Module, most: int = EAGER_ROWS_PROBED) -> int
     return rows
 
 
+def check_eager_tree(model: nn.Module, nodes: int):
+    """A one-line ValueError where model is in the mode, eager on this CPU, and its GEMMs give a
+    verify of `nodes` rows (tree tokens + lookup) other bits than one-token steps; nodes=2 (a root
+    and one guess) asks whether any tree fits."""
+    if getattr(model, "invariant_window", None) is None:
+        return
+    rows = eager_invariant_rows(model, most=nodes)
+    if rows < 2:
+        raise ValueError("--batch_invariant without --compile: this CPU's eager GEMMs round a verify's rows apart "
+                         "from one-token steps for every tree: compile, or speculate without --batch_invariant")
+    if nodes > rows:
+        raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} nodes on this CPU "
+                         f"(tree tokens + lookup), this one has {nodes}: compile, or pass a smaller --tree / --lookup")
+
+
 @functools.lru_cache(maxsize=None)
 def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = EAGER_ROWS_PROBED, *,
                        packed: bool = False, threads: int) -> int:

@@ -75,11 +75,8 @@ class ModelArgs:
             return cls(**transformer_configs[name])
         hits = [k for k in transformer_configs if k.lower() in name.lower()]
         if not hits:
-            raise ValueError(
-                f"unknown model name {name!r} and no {CONFIG_FILE} beside the checkpoint; "
-                f"convert it with convert_hf_checkpoint.py or name its folder after one of: "
-                f"{', '.join(sorted(transformer_configs))}"
-            )
+            raise ValueError(f"unknown model name {name!r} and no {CONFIG_FILE} beside the checkpoint; convert it with "
+                             f"convert_hf_checkpoint.py or name its folder after one of: {', '.join(sorted(transformer_configs))}")
         return cls(**transformer_configs[max(hits, key=len)])
 
     @classmethod

@@ -37,7 +37,7 @@ import generate as gen  # noqa: E402
 import invariant  # noqa: E402
 import tp  # noqa: E402
 from attention import use_attention  # noqa: E402
-from autoshape import AUTO_TOP_K, auto_shape, cpu_name, probe_prompts  # noqa: E402
+from autoshape import auto_tree, cpu_name, probe_prompts  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from compiling import compile_prefill, compile_round, compile_step, cuda_graph, device_sync  # noqa: E402
 from cpu import pack_linears  # noqa: E402
@@ -349,13 +349,8 @@ def dynamic_shape(args, method: str, T: float, model: Transformer, drafts: dict,
     head = args.draft3_checkpoint_path if method == "eagle3" else args.draft_checkpoint_path
     draft = drafts[HEAD_OF[method]]
     print(f"{method} at temperature {T:g}:", file=sys.stderr)
-    return auto_shape(model, draft, probes, stop_ids=stop_ids, temperature=T,
-                      top_ks=AUTO_TOP_K if args.tree_top_k is None else (args.tree_top_k,),
-                      depths=range(1, 9) if depth is None else (depth,),
-                      cuda_graphs=args.compile and args.device.startswith("cuda"),
-                      compiled_cpu=args.compile and args.device == "cpu",
-                      cache_key=gen.run_key(argparse.Namespace(**dict(vars(args), draft_checkpoint_path=head)),
-                                            model, draft))
+    return auto_tree(model, draft, probes, args.device, args.compile, (args.checkpoint_path, head), args.tree_top_k,
+                     depth, stop_ids=stop_ids, temperature=T)
 
 
 def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
@@ -458,8 +453,7 @@ def run_mt_bench(args, argv=None) -> dict:
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
     drafts = {}
     for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None):
-        drafts[head] = load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention)
-        gen.check_head("eagle3" if head == "eagle3" else "eagle2", drafts[head], paths[head])
+        drafts[head] = load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention, arch=head)
     questions = load_questions(args.question_file, args.num_questions)
     start = time.perf_counter()
 

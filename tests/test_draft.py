@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_draft, tiny_target
+from conftest import random_draft, random_eagle3_draft, tiny_target
 from checkpoint import DRAFT_CONFIG, load_draft, save_draft
 from draft import EagleDraft, draft_config_for, grow_dynamic_tree, grow_static_tree, lookup_continuation
 from trees import MIN_STEP, mc_sim_7b_63, static_tree
@@ -179,6 +179,13 @@ def test_load_errors(tmp_path):
     assert cfg.intermediate_size == 96
     with pytest.raises(ValueError, match="does not match"):
         load_draft(tmp_path / "bad", target.config)
+    # a head of the other kind than the method runs (generate.py --speculate, benchmark.py's heads)
+    save_draft(random_eagle3_draft(target), tmp_path / "eagle3")
+    assert isinstance(load_draft(tmp_path / "vocab", other_vocab.config, arch="eagle"), EagleDraft)
+    with pytest.raises(ValueError, match=r"holds an EAGLE-1/2 head: use --speculate eagle2 \(or eagle\)"):
+        load_draft(tmp_path / "vocab", other_vocab.config, arch="eagle3")
+    with pytest.raises(ValueError, match="holds an EAGLE-3 head: use --speculate eagle3"):
+        load_draft(tmp_path / "eagle3", target.config, arch="eagle")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def test_forwards_report_tau_over_rounds_and_plain_steps_apart():
     rounds_only = gen.Forwards([3, 1, 2])
     assert (rounds_only.rounds, rounds_only.tau) == (3, 2.0)
     assert rounds_only.describe() == "tau 2.00 over 3 rounds"
-    mixed = gen.Forwards([3, 1, 1, 1, 1, 2], plain_steps=3) + gen.Forwards([1, 4], plain_steps=1)
+    mixed = gen.Forwards([3, 1, 1, 1, 1, 2, 1, 4], plain_steps=4)
     assert (mixed.rounds, mixed.plain_steps, mixed.tau) == (4, 4, (3 + 1 + 2 + 4) / 4)
     assert mixed.describe().startswith("tau 2.50 over 4 rounds and 4 plain steps (50% of the forwards")
     assert "1.75 tokens per forward overall" in mixed.describe()
@@ -261,7 +261,7 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree", "10,6,70", "--device", "cpu", "--no-compile", "--batch_invariant"])
     monkeypatch.setattr(invariant, "eager_invariant_rows", lambda model, most: 1)
-    monkeypatch.setattr(gen, "auto_shape", lambda *a, **k: pytest.fail("auto_shape ran before the refusal"))
+    monkeypatch.setattr(gen, "auto_tree", lambda *a, **k: pytest.fail("auto_tree ran before the refusal"))
     with pytest.raises(SystemExit, match="round a verify's rows apart from one-token steps for every tree"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree", "auto", "--device", "cpu", "--no-compile", "--batch_invariant"])
