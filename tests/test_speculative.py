@@ -197,7 +197,7 @@ def test_greedy_equals_vanilla_on_smollm2(smollm2_checkpoint):
         head = ROOT / "heads" / heads[method]
         draft = load_draft(head, target.config) if (head / "draft.safetensors").is_file() else draft_for(method, target)
         specs[method] = speculative.Speculator(target, draft, stop_ids=tokenizer.stop_ids, **kw)
-    for text in CHAT_PROMPTS:
+    for text in CHAT_PROMPTS[:2]:  # two of them: real-model decoding is much of the suite's time
         prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
         expected = vanilla(target, prompt, 24, stop_ids=tokenizer.stop_ids)
         for method, spec in specs.items():
@@ -229,7 +229,7 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_
             else draft_for(method, target).to(torch.bfloat16)
         specs[method] = speculative.Speculator(target, draft, tree_top_k=8, tree_depth=4, tree_tokens=nodes - lookup,
                                                lookup=lookup, stop_ids=tokenizer.stop_ids)
-    for text in CHAT_PROMPTS[:2]:
+    for text in CHAT_PROMPTS[:1]:  # eager bf16 is slow where the CPU lacks bf16 dot products: one prompt
         prompt = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": text}])])
         expected = vanilla(target, prompt, 32, stop_ids=tokenizer.stop_ids)
         for method, spec in specs.items():
