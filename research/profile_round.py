@@ -82,13 +82,14 @@ def write_report(out: Path, report: dict, markdown: str):
     print(markdown)
 
 
-def load_pair(args, draft_dtype, batch_invariant: bool) -> tuple:
-    """The target and head on the CPU in args.dtype, as generate.py runs them (eager: packed for oneDNN)."""
+def load_pair(args, draft_dtype, batch_invariant: bool, speculate: str = "eagle3") -> tuple:
+    """The target and the head that `speculate` runs on the CPU in args.dtype, as generate.py runs them
+    (eager: packed for oneDNN)."""
     model = load_model(args.checkpoint_path, "cpu", getattr(torch, args.dtype))
     if batch_invariant:
         invariant.enable(model)
     draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, draft_dtype),
-                       arch=gen.SPECULATE[args.speculate]["arch"])
+                       arch=gen.SPECULATE[speculate]["arch"])
     if not args.compile:
         pack_linears(model)
         pack_linears(draft)
@@ -247,7 +248,7 @@ def profile_compiled(args, model, draft, tokenizer) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    model, draft = load_pair(args, args.draft_dtype or args.dtype, args.batch_invariant)
+    model, draft = load_pair(args, args.draft_dtype or args.dtype, args.batch_invariant, args.speculate)
     tokenizer = load_tokenizer(args.checkpoint_path.parent)
     probe = prompt_ids(tokenizer, 0)
     report = dict(run_header("profile_round.py", argv), dtype=args.dtype, batch_invariant=args.batch_invariant,
