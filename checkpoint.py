@@ -126,10 +126,11 @@ def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dt
         config = ModelArgs(**meta["model"])
     except (TypeError, KeyError, ValueError) as e:
         raise ValueError(f"{config_file} is not a draft config: {e}") from None
-    found, arch = meta.get("arch", "eagle"), arch or meta.get("arch", "eagle")
-    if found != arch:
+    found = meta.get("arch", "eagle")
+    if arch is not None and found != arch and found in ("eagle", "eagle3"):  # an unknown arch is refused below
         raise ValueError(f"{path} holds {'an EAGLE-3' if found == 'eagle3' else 'an EAGLE-1/2'} head: use "
                          f"--speculate {'eagle3' if found == 'eagle3' else 'eagle2 (or eagle)'}, or pass the right head")
+    arch = found
     if target_config is not None:
         check_draft_fits(folder, arch, config, meta, target_config)
     with torch.device("meta"):

@@ -28,10 +28,11 @@ import invariant  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from model import TreeMask  # noqa: E402
 from profile_round import run_header, write_report  # noqa: E402
+from quantize import mode_from_path  # noqa: E402
 
 # How a profiler event's name says what it is (the first rule that matches wins).
 GROUPS = (("GEMM", ("gemm", "template", "mm", "linear", "matmul")), ("attention", ("attention", "flash", "sdpa",
-                                                                                    "softmax", "bmm")))
+                                                                                    "softmax")))
 
 
 def parse_args(argv=None):
@@ -50,7 +51,8 @@ def parse_args(argv=None):
     if min(args.tokens) < 1 or not 1 <= args.prefix <= args.context - 2 * max(args.tokens):
         p.error(f"--tokens must be >= 1 and --prefix in [1, context - 2 * max(tokens)] = "
                 f"[1, {args.context - 2 * max(args.tokens)}]")
-    problem = invariant.problem("cpu", args.dtype, True, None, False) if args.batch_invariant else None
+    quantized = mode_from_path(args.checkpoint_path)[0]
+    problem = invariant.problem("cpu", args.dtype, True, quantized, False) if args.batch_invariant else None
     if problem:
         p.error(problem)
     return args
@@ -97,7 +99,8 @@ def profile(model, forward, T: int, args) -> dict:
     ms = {e.key: e.self_cpu_time_total / 1e3 / args.repeats for e in kernels}
     groups = {}
     for name, value in ms.items():
-        groups[group(name)] = groups.get(group(name), 0.0) + value
+        kind = group(name)
+        groups[kind] = groups.get(kind, 0.0) + value
     gflop, weight_gb = gemm_cost(model, T)
     return dict(tokens=T, ms=statistics.median(seconds[3:]) * 1e3, compile_s=compile_s, gemm_gflop=gflop,
                 weight_gb=weight_gb, profiled_ms=sum(ms.values()), groups_ms=groups,

@@ -186,6 +186,10 @@ def test_load_errors(tmp_path):
         load_draft(tmp_path / "vocab", other_vocab.config, arch="eagle3")
     with pytest.raises(ValueError, match="holds an EAGLE-3 head: use --speculate eagle3"):
         load_draft(tmp_path / "eagle3", target.config, arch="eagle")
+    config = tmp_path / "eagle3" / DRAFT_CONFIG  # an arch of neither kind is that, whatever the caller runs
+    config.write_text(config.read_text().replace('"arch": "eagle3"', '"arch": "medusa"'))
+    with pytest.raises(ValueError, match="unknown draft arch 'medusa'"):
+        load_draft(tmp_path / "eagle3", target.config, arch="eagle")
 
 
 # ---------------------------------------------------------------------------------------------
