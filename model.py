@@ -161,11 +161,12 @@ def copy_slots(model: "Transformer", src: Tensor, dst: Tensor):
     """Copy row b's entries in slots src[b] to slots dst[b] (both [B, n]), keys and values of every
     layer; all reads come before any write, so the two may overlap. Speculative decoding moves
     accepted tree nodes down to the end of the prefix with this. Eager, one gather and one scatter
-    over kv_storage move every layer at once. Compiled, the copy goes through each layer's own
-    views, which Inductor fuses: a graph that mutated kv_storage as well as the views overlapping
-    it would get them merged into one synthetic base, losing their static marks (no CUDA graph)."""
+    over kv_storage move every layer at once. Compiled, or with caches that are not its views
+    (torch.func.functional_call's), the copy goes through each layer's caches, which Inductor fuses:
+    a graph mutating kv_storage and the views overlapping it would get them merged into one
+    synthetic base, losing their static marks (no CUDA graph)."""
     rows = torch.arange(src.size(0), device=src.device)[:, None]
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and model._caches_are_views():
         model.kv_storage[:, :, rows, :, dst] = model.kv_storage[:, :, rows, :, src]
         return
     for layer in model.layers:
@@ -200,8 +201,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.max_batch_size = -1
-        self.max_seq_length = -1
+        self.max_batch_size, self.max_seq_length = -1, -1
         self.register_buffer("kv_storage", None, persistent=False)  # [n_layer, 2, B, KV, S, head_dim]: setup_caches
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
