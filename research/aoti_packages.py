@@ -7,7 +7,8 @@ Builds two packages with generate.py's CPU Inductor settings (batch-invariant bf
 without AMX): the plain decode step and a Speculator's round. Then a fresh process loads them and decodes
 --prompts with each: plain decoding with the step package, EAGLE-3 with the round package (the plain
 step, flush and prefill eager), timing the loads, a step and a round. In the mode a round's tokens equal
-plain decoding's, so the two answers must be identical. Writes OUT.json.
+plain decoding's, so the two answers must be identical. --against_compiled: the round compiled in that
+process too, its tokens and (alternating) time beside the package's. Writes OUT.json.
 
 What makes a graph exportable: its mutable state (KV caches, the Speculator's buffers) goes in as
 inputs that the package updates in place, so the caller's tensors are the state, views included. As
@@ -145,8 +146,24 @@ def load_and_decode(args):
         ids, emitted = speculative.speculative_generate(spec, prompt, args.max_new_tokens, round_fn=packaged_round)
         answers.append(dict(prompt_tokens=prompt.size(1), plain=plain, speculative=ids[0], identical=plain == ids[0],
                             tau=sum(emitted[0]) / max(1, len(emitted[0]))))
-    return dict(setup_s=setup_s, load_s=load_s, step_ms=statistics.median(step_ms),
-                round_ms=statistics.median(round_ms), answers=answers)
+    report = dict(setup_s=setup_s, load_s=load_s, step_ms=statistics.median(step_ms),
+                  round_ms=statistics.median(round_ms), answers=answers)
+    if args.against_compiled:  # the round compiled in this process as generate.py compiles it, alternating
+        compiled = compiling.compile_function(spec.round, "cpu", (model, spec.draft), options=compiling.ROUND_OPTIONS)
+        prompt = prompt_ids(tokenizer, args.prompts[0])
+        t = time.perf_counter()
+        ids, _ = speculative.speculative_generate(spec, prompt, args.max_new_tokens, round_fn=compiled)
+        report.update(compile_s=time.perf_counter() - t, compiled_identical=ids[0] == answers[0]["speculative"])
+        seconds = {"package": [], "compiled": []}
+        for _ in range(6):
+            for name, fn in (("package", lambda: round_pkg(dummy, *round_state)), ("compiled", compiled)):
+                spec.prefill(prompt, args.max_new_tokens)
+                for _ in range(8):
+                    t = time.perf_counter()
+                    fn()
+                    seconds[name].append(time.perf_counter() - t)
+        report["alternating_round_ms"] = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
+    return report
 
 
 def parse_args(argv=None):
@@ -159,6 +176,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", nargs="+", default=["Name three rivers in Europe.", pr.PROMPTS[1]])
     p.add_argument("--dir", type=Path, required=True, help="where the packages go")
     p.add_argument("--out", type=Path, help="OUT.json: the report")
+    p.add_argument("--against_compiled", action="store_true",
+                   help="also compile the round in-process (minutes): its tokens and, alternating, its time")
     p.add_argument("--load_only", action="store_true", help="(the fresh process) load and decode")
     return p.parse_args(argv)
 
