@@ -47,6 +47,11 @@ class WithState(nn.Module):
         super().__init__()
         self.module, self.fn, self.n_args, self.names = module, fn, n_args, state_names(module)
 
+    def state(self) -> list:
+        """The module's own state tensors, in the order forward takes them."""
+        buffers = dict(self.module.named_buffers())
+        return [buffers[n] for n in self.names]
+
     def forward(self, *inputs):
         args, state = inputs[:self.n_args], inputs[self.n_args:]
         return functional_call(self.module, dict(zip(self.names, state)), args, {"fn": self.fn}, strict=False)
@@ -68,6 +73,7 @@ def greedy_step(model, token, input_pos):
 
 
 def round_fn(spec, dummy):
+    """A round, with a tensor in and out: what torch.export takes and gives."""
     spec.round()
     return spec.n_out + dummy
 
@@ -100,8 +106,7 @@ def build(args):
     seconds = {}
     token, pos, dummy = torch.zeros(1, dtype=torch.long), torch.tensor([8]), torch.zeros(1, dtype=torch.long)
     for name, wrapper, example in (("step", step, (token, pos)), ("round", rnd, (dummy,))):
-        buffers = dict(wrapper.module.named_buffers())
-        state = tuple(buffers[n].clone() for n in wrapper.names)
+        state = tuple(t.clone() for t in wrapper.state())
         t = time.perf_counter()
         exported = torch.export.export(wrapper.eval(), example + state, strict=False)
         with torch.backends.mkldnn.flags(enabled=False):  # as compiling.cpu_backend: packed weights stay plain
@@ -120,10 +125,7 @@ def load_and_decode(args):
     step_pkg = torch._inductor.aoti_load_package(str(args.dir / "step.pt2"))
     round_pkg = torch._inductor.aoti_load_package(str(args.dir / "round.pt2"))
     load_s = time.perf_counter() - t
-    buffers = dict(step.module.named_buffers())
-    step_state = [buffers[n] for n in step.names]
-    buffers = dict(rnd.module.named_buffers())
-    round_state = [buffers[n] for n in rnd.names]
+    step_state, round_state = step.state(), rnd.state()
     dummy = torch.zeros(1, dtype=torch.long)
     step_ms, round_ms, answers = [], [], []
 
@@ -189,7 +191,7 @@ def main(argv=None):
         return
     args.dir.mkdir(parents=True, exist_ok=True)
     report = dict(pr.run_header("aoti_packages.py", argv), tree=args.tree, build_s=build(args))
-    argv_load = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--load_only"]
+    argv_load = list(argv if argv is not None else sys.argv[1:]) + ["--load_only"]
     t = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, *argv_load], capture_output=True, text=True, check=True)
     report.update(json.loads(out.stdout.strip().splitlines()[-1]), fresh_process_s=time.perf_counter() - t)
