@@ -20,6 +20,7 @@ from torch import Tensor
 
 import defaults
 import invariant
+import packages
 import tp
 from autoshape import auto_tree, probe_prompts
 from checkpoint import load_draft, load_model
@@ -285,10 +286,12 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         step, first = decode_one_token, prefill
-        if args.compile:
+        if args.compile and packages.usable(args.device, args.temperature, model):
+            step = packages.packaged_step(model, packages.folder(args.checkpoint_path))
+        elif args.compile:
             step = compile_step(decode_one_token, args.device, model)
-            if args.compile_prefill:
-                first = compile_prefill(prefill, args.device, model)
+        if args.compile and args.compile_prefill:
+            first = compile_prefill(prefill, args.device, model)
 
         def decode(prompt_ids, max_new_tokens, callback=None):
             prompt = torch.tensor([prompt_ids], device=args.device)
@@ -326,7 +329,9 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
     if not args.compile:
         invariant.check_eager_tree(spec.target, spec.n_nodes)
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
-    if args.compile:
+    if args.compile and packages.usable(args.device, args.temperature, spec) and not args.compile_prefill:
+        packages.package_round(spec, packages.folder(args.checkpoint_path))
+    elif args.compile:
         compile_round(spec, args.compile_prefill)
 
     def decode(prompt_ids, max_new_tokens, callback=None):
@@ -380,8 +385,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
     if args.compile:  # the first call compiles (or loads the compiled graphs): a warm-up, not reported
-        print("Compiling the decode step and the round, or loading them from Inductor's disk cache (the first "
-              "time on a machine takes minutes)...", file=sys.stderr)
+        print("Compiling the decode step and the round, or loading what an earlier run compiled (the first "
+              "time takes minutes)...", file=sys.stderr)
         t = time.perf_counter()
         decode(prompt_ids, args.max_new_tokens)
         print(f"Compilation and warm-up: {time.perf_counter() - t:.2f} s", file=sys.stderr)

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoint
-import compiling
 import generate as gen
 import invariant
+import packages
 import sampling
 from compiling import compile_function
 from convert_hf_checkpoint import convert_hf
@@ -197,18 +197,16 @@ def test_compare_answers_plainly_then_speculatively(tiny_checkpoint, tmp_path, c
 def test_compiled_runs_size_their_graphs_alike_for_prompts_of_any_length(tiny_checkpoint, monkeypatch):
     """A compiled graph has static shapes, the caches' and the round's buffers' among them: two
     compiled runs (--compare: the plain step, the round, its plain step and flush) with prompts of
-    different lengths hand the compiler the same shapes, so the second reuses the first's graphs
-    (from Inductor's disk cache in a new process). The cache length is the next power of two from
-    512, at most the model's context."""
+    different lengths hand the compiler the same shapes, so the second reuses the first's packages
+    (packages.py; here run eagerly through the packages' wrappers, their state passed as inputs).
+    The cache length is the next power of two from 512, at most the model's context."""
     checkpoint, _ = tiny_checkpoint
     compiled = []
 
-    def record(fn, device, modules, **kwargs):  # what a graph's key depends on: the function, every shape
-        owners = list(modules) + [getattr(fn, "__self__", None)]
-        compiled.append((fn.__name__, tuple((name, tuple(b.shape)) for m in owners if isinstance(m, torch.nn.Module)
-                                            for name, b in m.named_buffers())))
-        return fn
-    monkeypatch.setattr(compiling, "compile_function", record)
+    def record(self, args, state):  # what a package's key depends on besides weights and code: its shapes
+        compiled.append((self.name, tuple(tuple(t.shape) for t in (*args, *state))))
+        return self.bound
+    monkeypatch.setattr(packages.Packaged, "load_or_build", record)
     runs = []
     for prompt in ("Rivers.", "Rivers flow to the sea, and the sea gives the rain back to the hills. " * 3):
         compiled.clear()
@@ -218,7 +216,7 @@ def test_compiled_runs_size_their_graphs_alike_for_prompts_of_any_length(tiny_ch
         assert report["identical"]
         runs.append((len(report["prompt_ids"]), sorted(compiled)))
     assert runs[0][0] + 40 < runs[1][0] and runs[0][1] == runs[1][1]
-    assert {name for name, _ in runs[0][1]} == {"decode_one_token", "round", "plain_step", "flush"}
+    assert {name for name, _ in runs[0][1]} == {"step", "round", "plain_step", "flush"}
     assert [gen.cache_length(n, 8192) for n in (1, 300, 512, 513, 3000)] == [512, 512, 512, 1024, 4096]
     assert gen.cache_length(300, 256) == 256 and gen.cache_length(600, 600) == 600
 
