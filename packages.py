@@ -41,14 +41,11 @@ QUANTIZED = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)
 
 
 def usable(device: str, temperature: float, *modules: nn.Module) -> bool:
-    """Whether packages replace torch.compile: on a CPU, greedy, unquantized, not batch-invariant.
-    Sampling draws random numbers, which a package seeds its own way; the int8/int4 kernels are
-    Python ops, which a package cannot call; and in the batch-invariant mode a packaged round was
-    seen to round apart from a packaged step (benchmarks/RESULTS.md, "Start-up"): built without
-    the mode's settings, since fixed, but not checked again, the mode keeps torch.compile."""
+    """Whether packages replace torch.compile: on a CPU, greedy, unquantized. (Sampling draws
+    random numbers, which a package seeds its own way; the int8/int4 kernels are Python ops,
+    which a package cannot call.)"""
     inside = [m for module in modules for m in module.modules()]  # a Speculator's target and draft too
-    return (str(device) == "cpu" and temperature == 0 and not batch_invariant(inside)
-            and not any(isinstance(m, QUANTIZED) for m in inside))
+    return str(device) == "cpu" and temperature == 0 and not any(isinstance(m, QUANTIZED) for m in inside)
 
 
 def settings(*modules: nn.Module) -> dict:
