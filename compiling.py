@@ -116,8 +116,9 @@ def set_tensor_parallel_flags():
 
 
 def batch_invariant(modules) -> bool:
-    """Whether any of the modules is a target in batch-invariant mode (invariant.enable)."""
-    return any(getattr(m, "invariant_window", None) is not None for m in modules)
+    """Whether any of the modules holds a target in batch-invariant mode (invariant.enable): the
+    target itself, or a Speculator around it."""
+    return any(getattr(m, "invariant_window", None) is not None for module in modules for m in module.modules())
 
 
 def weights_digest(*modules: nn.Module) -> str:

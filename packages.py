@@ -29,6 +29,7 @@ from torch.func import functional_call
 import compiling
 from compiling import batch_invariant, weights_digest
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Experts, WeightOnlyInt8Linear
+from sampling import sample
 
 FORMAT = 1  # bump when what a package holds, or how it is called, changes
 ROOT = Path(__file__).resolve().parent
@@ -53,7 +54,7 @@ def settings(*modules: nn.Module) -> dict:
     wrapper is C++ anyway, and it is its own cache)."""
     quiet = {k: v for k, v in compiling.CPU_QUIET.items() if hasattr(torch._inductor.config, k)}
     s = dict(compiling.CPU_INDUCTOR, **quiet)
-    if batch_invariant([m for module in modules for m in module.modules()]):  # a Speculator's target too
+    if batch_invariant(modules):
         s.update(compiling.CPU_INVARIANT)
     for key in ("cpp_wrapper", "fx_graph_cache"):
         s.pop(key)
@@ -231,8 +232,8 @@ def folder(checkpoint_path) -> Path:
 
 
 def greedy_step(model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """generate.decode_one_token at temperature 0 (sampling.sample's argmax): what a step package holds."""
-    return model(token[:, None], input_pos)[:, -1].argmax(-1)
+    """generate.decode_one_token at temperature 0: what a step package holds."""
+    return sample(model(token[:, None], input_pos)[:, -1], 0.0, None, None)
 
 
 def packaged_step(model: nn.Module, folder: Path):
