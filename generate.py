@@ -58,9 +58,9 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, tempera
     its own prompt). Returns, per row, the list of new token ids, cut after the first stop token
     (which is kept). callback(tokens [B]) is called with each new token (streaming)."""
     B, L = prompt.shape
+    if L + max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({L}) + max_new_tokens ({max_new_tokens}) exceed the context ({model.config.block_size})")
     model.setup_caches(B, L + max_new_tokens)  # no-op when the caches are already large enough
-    if L + max_new_tokens > model.max_seq_length:
-        raise ValueError(f"prompt ({L}) + max_new_tokens ({max_new_tokens}) exceed the KV cache ({model.max_seq_length})")
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=prompt.device)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=prompt.device)
 
@@ -84,8 +84,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, tempera
 def model_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights a decode step reads: the state dict (quantized weights and scales are buffers)
     but one row of an untied embedding and k of E experts, plus oneDNN-packed weights (outside it)."""
-    seen, total = set(), 0
-    c = model.config
+    seen, total, c = set(), 0, model.config
     for name, p in model.state_dict(keep_vars=True).items():
         if id(p) in seen or (name == "tok_embeddings.weight" and model.output.weight is not p):
             continue
@@ -253,8 +252,7 @@ class Forwards(NamedTuple):
 
     @property
     def tau(self) -> Optional[float]:
-        """Tokens per speculative round, bonus included (each plain step emitted exactly 1); None
-        where every forward was a plain step."""
+        """Tokens per speculative round, bonus included; None where every forward was a plain step."""
         return (sum(self.emitted) - self.plain_steps) / self.rounds if self.rounds else None
 
     def describe(self) -> str:
@@ -299,9 +297,8 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
                             prefill_fn=first, decode_fn=step, **sampling)[0], None
         return decode
 
-    lookup = args.lookup
     if args.speculate == "lookup":
-        return speculative_decoder(args, Speculator(model, None, lookup=lookup, stop_ids=stop_ids, **sampling),
+        return speculative_decoder(args, Speculator(model, None, lookup=args.lookup, stop_ids=stop_ids, **sampling),
                                    max_seq_length, args.adaptive)
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else model.norm.weight.dtype
     draft = load_draft(args.draft_checkpoint_path, model.config, args.device, draft_dtype,
@@ -310,7 +307,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
         pack_linears(draft)
     if args.tree_tokens == "auto":
         shape = auto_tree(model, draft, probes, args.device, args.compile, (args.checkpoint_path, args.draft_checkpoint_path),
-                          args.tree_top_k, args.tree_depth, lookup=lookup, stop_ids=stop_ids, **sampling)
+                          args.tree_top_k, args.tree_depth, lookup=args.lookup, stop_ids=stop_ids, **sampling)
         if shape is None:
             args.speculate = "none"
             return make_decoder(args, model, stop_ids, max_seq_length)
@@ -319,7 +316,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
         tree = dict(static=static_tree(json.loads(Path(args.tree_file).read_text()) if args.tree_file else mc_sim_7b_63))
     else:
         tree = dict(tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens)
-    spec = Speculator(model, draft, stop_ids=stop_ids, lookup=lookup, **tree, **sampling)
+    spec = Speculator(model, draft, stop_ids=stop_ids, lookup=args.lookup, **tree, **sampling)
     return speculative_decoder(args, spec, max_seq_length, args.adaptive)
 
 
@@ -368,10 +365,8 @@ def main(argv=None):
         return interactive(make_decoder(args, model, tokenizer.stop_ids, context, probe_prompts(tokenizer)),
                            context, tokenizer, args)
 
-    if args.chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
+                  else tokenizer.encode(args.prompt))
     needed = len(prompt_ids) + args.max_new_tokens
     if needed > model.config.block_size:
         sys.exit(f"error: the prompt has {len(prompt_ids)} tokens; with --max_new_tokens {args.max_new_tokens} "

@@ -49,6 +49,8 @@ def test_stops_at_a_stop_token_and_compiled_matches_eager():
     assert seen == full[:first + 1]
     compiled = torch.compile(gen.decode_one_token, mode="reduce-overhead", fullgraph=True)
     assert gen.generate(model, prompt, 40, decode_fn=compiled)[0] == full
+    with pytest.raises(ValueError, match="exceed the context"):  # past the RoPE table the model was built for
+        gen.generate(model, prompt, model.config.block_size)
 
 
 @pytest.mark.autotune
