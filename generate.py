@@ -326,7 +326,7 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
     if not args.compile:
         invariant.check_eager_tree(spec.target, spec.n_nodes)
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
-    if args.compile and packages.usable(args.device, args.temperature, spec) and not args.compile_prefill:
+    if args.compile and packages.usable(args.device, spec.sampling[0], spec) and not args.compile_prefill:
         packages.package_round(spec, packages.folder(args.checkpoint_path))
     elif args.compile:
         compile_round(spec, args.compile_prefill)

@@ -11,6 +11,7 @@ import torch
 import autoshape
 import compiling
 import generate as gen
+import packages
 from conftest import ROOT, mirrored_pair, tiny_config_file, torchrun
 from test_autoshape import chain_probes
 
@@ -62,6 +63,27 @@ def test_plain_rows_compile_their_step_as_vanilla_is(monkeypatch):
         decoders, step = bench.plain_decoders(args, target, (), name, compiled=True)
         assert set(decoders) == {(name, 0.0)} and step is gen.decode_one_token  # compile_function stubbed
     assert len(seen) == 2 and seen[0] == seen[1] and seen[1][1]["options"]["triton.cudagraphs"]
+
+
+def test_compiled_mt_bench_packages_greedy_rounds_only(tiny_checkpoint, tmp_path, monkeypatch):
+    """--compile on a CPU: the greedy rounds (their round, plain step and flush) go through packages.py
+    as generate.py's do, the sampled ones through torch.compile; here both run eagerly (the packages'
+    wrappers with their state as inputs, compile_function stubbed) and greedy answers equal vanilla's."""
+    built, compiled = [], []
+
+    def record(self, args, state):
+        built.append(self.name)
+        return self.bound
+    monkeypatch.setattr(packages.Packaged, "load_or_build", record)
+    monkeypatch.setattr(compiling, "compile_function", lambda fn, device, modules, **kw: compiled.append(fn) or fn)
+    checkpoint, questions = tiny_checkpoint
+    report = bench.main(["--checkpoint_path", str(checkpoint), "--question_file", str(questions), "--methods",
+                         "vanilla", "eagle2+lookup", "--tree_tokens", "8", "--num_questions", "1", "--max_new_tokens",
+                         "16", "--device", "cpu", "--dtype", "float32", "--compile", "--temperatures", "0", "1",
+                         "--no_plot", "--out", str(tmp_path / "c")])
+    assert set(built) == {"round", "plain_step", "flush"} and compiled  # T=1's round and the vanilla steps
+    rows = {(r["method"], r["temperature"]): r for r in report["records"] if r["category"] == "overall"}
+    assert rows["eagle2+lookup", 0.0]["equal_to_vanilla"] == 1.0
 
 
 def test_mt_bench_end_to_end(tiny_checkpoint, tmp_path):
