@@ -40,14 +40,13 @@ from tokenizer import load_tokenizer  # noqa: E402
 
 @dataclass
 class Preset:
-    n_prompts: int = 6000        # EAGLE-1/2: prompts kept after filtering
     val_fraction: float = 0.05   # held out for validation
     prompt_max_tokens: int = 96
     prompt_temperature: float = 1.0
     prompt_top_k: int = 100      # user messages are sampled among the 100 most probable tokens
     answer_max_tokens: int = 320
     sampled_fraction: float = 0.25  # answers sampled at temperature 1 (the rest greedy)
-    gen_batch: int = 128         # rows generated at once (EAGLE-3: conversations per data shard)
+    gen_batch: int = 128         # conversations per data shard, generated at once
     epochs: int = 6
     batch_tokens: int = 4096     # padded tokens per training batch
     lr: float = 1e-3
@@ -62,11 +61,10 @@ class Preset:
     unroll_decay: float = 0.8    # loss weight of unrolled step k: decay ** (k - 1)
     save_every: int = 50         # optimizer steps between saved training states
     eval_every: int = 0          # optimizer steps between validations (0: after each epoch only)
-    # EAGLE-3 only
     n_shards: int = 40           # data shards of gen_batch conversations to write before training
     multi_turn_fraction: float = 0.4  # conversations with a follow-up turn
-    keep_top: int = 64           # the target's most probable next tokens kept per position
-    draft_vocab_size: int = 8192  # the draft's reduced vocabulary: the most frequent answer tokens
+    keep_top: int = 64           # EAGLE-3: the target's most probable next tokens kept per position
+    draft_vocab_size: int = 8192  # EAGLE-3: the draft's reduced vocabulary, the most frequent answer tokens
     tau_depth: int = 6           # tree depth of the tau measured at validation
     tau_max_tokens: int = 96     # tokens decoded per tau prompt
 
@@ -74,9 +72,9 @@ class Preset:
 PRESETS = {
     "eagle": {
         "smollm2-cpu": Preset(),  # SmolLM2-135M on a CPU
-        "gpu": Preset(n_prompts=40000, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
+        "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
                       lr=3e-4, warmup_steps=500, unroll=3),
-        "tiny": Preset(n_prompts=24, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,  # for tests
+        "tiny": Preset(n_shards=3, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,  # for tests
                        batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
     },
     "eagle3": {
@@ -209,108 +207,7 @@ def target_features(model, seqs, layer_ids=None, keep_top=0, max_tokens=8192):
     return out
 
 
-# ---- Data of an EAGLE-1/2 head without --data_dir: Magpie one-turn prompts, answers in shard_*.pt
-def user_turn_prefix(tokenizer):
-    """The chat template's ids up to where a user's first message begins."""
-    return next_user_prefix(tokenizer, [])
-
-
-def keep_prompt(text: str, seen: set) -> bool:
-    """Self-written prompts: a real sentence, not degenerate, not seen before."""
-    words = text.split()
-    key = " ".join(words).lower()[:80]
-    if len(words) < 3 or len(text) > 600 or "<|" in text or key in seen:
-        return False
-    if len(words) > 8 and len(set(words)) / len(words) < 0.5:  # repetition loops
-        return False
-    if sum(c.isalpha() for c in text) < 0.5 * len(text):  # mostly digits, symbols or code noise
-        return False
-    seen.add(key)
-    return True
-
-
-def make_prompts(model, tokenizer, preset: Preset, path: Path, seed: int):
-    """{"train", "val", "attempts"}, written to path once complete; saved after every batch with the
-    sampler's state, so an interrupted run resumes."""
-    if path.is_file():
-        return json.loads(path.read_text())
-    prefix = user_turn_prefix(tokenizer)
-    stop_ids = set(tokenizer.stop_ids)
-    partial = path.with_suffix(".partial.pt")
-    torch.manual_seed(seed)
-    prompts, attempts = [], 0
-    if partial.is_file():
-        state = torch.load(partial, weights_only=False)
-        prompts, attempts = state["prompts"], state["attempts"]
-        torch.set_rng_state(state["rng"])
-    seen = set()
-    for text in prompts:
-        keep_prompt(text, seen)  # rebuilds the duplicate filter
-    bar = tqdm(total=preset.n_prompts, initial=len(prompts), desc="prompts", unit="prompt")
-    while len(prompts) < preset.n_prompts:
-        attempts += preset.gen_batch
-        if attempts > 20 * preset.n_prompts + 10 * preset.gen_batch:
-            raise RuntimeError(f"only {len(prompts)} usable prompts after {attempts} samples: is the chat "
-                               f"template right for this model?")
-        for text in seeded_messages(model, tokenizer, [prefix] * preset.gen_batch, [""] * preset.gen_batch, preset,
-                                    stop_ids):
-            if text is not None and keep_prompt(text, seen) and len(prompts) < preset.n_prompts:
-                prompts.append(text)
-                bar.update(1)
-        torch.save({"prompts": prompts, "attempts": attempts, "rng": torch.get_rng_state()}, partial)
-    bar.close()
-    random.Random(seed).shuffle(prompts)
-    n_val = max(1, int(preset.val_fraction * len(prompts)))
-    split = {"train": prompts[n_val:], "val": prompts[:n_val], "attempts": attempts}
-    path.write_text(json.dumps(split, indent=1))
-    partial.unlink()
-    return split
-
-
-def make_shards(model, tokenizer, preset: Preset, prompts: dict, data_dir: Path, seed: int):
-    """The answers and their features, one shard per generation batch (an interrupted run resumes)."""
-    jobs = [(split, text) for split in ("train", "val") for text in prompts[split]]
-    rng = random.Random(seed)
-    sampled = {i for i in range(len(jobs)) if rng.random() < preset.sampled_fraction}
-    # Sorted by prompt length so a batch pads little; greedy and sampled answers in separate batches.
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for _, text in jobs]
-    order = sorted(range(len(jobs)), key=lambda i: (i in sampled, len(chats[i])))
-    batches = [order[i:i + preset.gen_batch] for i in range(0, len(order), preset.gen_batch)]
-    for n, batch in enumerate(tqdm(batches, desc="answers", unit="batch")):
-        shard = data_dir / f"shard_{n:05d}.pt"
-        if shard.is_file():
-            continue
-        temperature = 1.0 if batch[0] in sampled else 0.0
-        torch.manual_seed(seed + n)
-        seqs = generate_batch(model, [chats[i] for i in batch], preset.answer_max_tokens, temperature,
-                              None, set(tokenizer.stop_ids))
-        feats = target_features(model, seqs)
-        torch.save({"ids": [torch.tensor(s, dtype=torch.int32) for s in seqs],
-                    "features": [f["features"] for f in feats],
-                    "prompt_len": [len(chats[i]) for i in batch],
-                    "split": [jobs[i][0] for i in batch],
-                    "temperature": temperature}, shard)
-
-
-def answer_record(ids: torch.Tensor, features: torch.Tensor, prompt_len: int) -> dict:
-    """A one-turn answer as a training record (load_conversations' form); learn[p]: the token after p is learned."""
-    ids = ids.numpy().astype(np.int64)
-    learn = np.zeros(len(ids), dtype=bool)
-    learn[prompt_len - 1:len(ids) - 1] = True
-    return {"ids": ids, "features": features.numpy(), "learn": learn, "turns": 1, "prompt": ids[:prompt_len]}
-
-
-def load_shards(data_dir: Path):
-    data = {"train": [], "val": []}
-    for shard in sorted(data_dir.glob("shard_*.pt")):
-        s = torch.load(shard, weights_only=True)
-        for ids, feats, plen, split in zip(s["ids"], s["features"], s["prompt_len"], s["split"]):
-            if len(ids) > plen + 1:  # at least one answer token to learn from
-                data[split].append(answer_record(ids, feats, plen))
-    return data
-
-
-# ---- Conversation shards (EAGLE-3, and EAGLE-1/2 with --data_dir): one or two turns, as token ids. A user
+# ---- Conversation shards, the data of every head: one or two turns, as token ids. A user
 # message is Magpie-sampled after the opening words of a kind of request ("open": none); a follow-up
 # after words that ask to rewrite, continue or critique the first answer.
 OPENERS = {
@@ -357,6 +254,20 @@ FOLLOW_UPS = {
                  "How could your answer be improved", "Point out any mistakes in"],
 }
 CATEGORIES = list(OPENERS)
+
+
+def keep_prompt(text: str, seen: set) -> bool:
+    """Self-written prompts: a real sentence, not degenerate, not seen before."""
+    words = text.split()
+    key = " ".join(words).lower()[:80]
+    if len(words) < 3 or len(text) > 600 or "<|" in text or key in seen:
+        return False
+    if len(words) > 8 and len(set(words)) / len(words) < 0.5:  # repetition loops
+        return False
+    if sum(c.isalpha() for c in text) < 0.5 * len(text):  # mostly digits, symbols or code noise
+        return False
+    seen.add(key)
+    return True
 
 
 def next_user_prefix(tokenizer, messages):
@@ -412,7 +323,7 @@ def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: 
     n_try = preset.gen_batch + preset.gen_batch // 4  # some messages fail the filter
     categories = [rng.choice(CATEGORIES) for _ in range(n_try)]
     openers = [rng.choice(OPENERS[c]) for c in categories]
-    prefix = user_turn_prefix(tokenizer)
+    prefix = next_user_prefix(tokenizer, [])  # up to where a user's first message begins
     seen, convs = set(), []
     for text, category in zip(seeded_messages(model, tokenizer, [prefix] * n_try, openers, preset, stop_ids),
                               categories):
@@ -1023,9 +934,6 @@ def parse_args(argv=None):
     if (args.out_dir / "draft.safetensors").exists() and not args.force and not args.data_only:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
     args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
-    # EAGLE-3 always trains on conversation shards; EAGLE-1/2 when --data_dir names some, otherwise
-    # on the one-turn answers it writes into its work dir.
-    args.on_shards = args.arch == "eagle3" or args.data_dir is not None
     args.data_dir = args.data_dir or args.work_dir / "conversations"
     args.cache_dir = args.cache_dir or args.work_dir / "features"
     if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
@@ -1035,9 +943,6 @@ def parse_args(argv=None):
         p.error(f"--init_from {args.init_from}: no draft.safetensors there")
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     preset = replace(PRESETS[args.arch][args.preset], **overrides)
-    if args.first_shard and not args.on_shards:
-        p.error("--first_shard is for conversation shards (--arch eagle3, or --data_dir): an EAGLE-1/2 run "
-                "without them trains on all the answers it writes")
     if not 0 <= args.first_shard < preset.n_shards:
         p.error(f"--first_shard must be in [0, {preset.n_shards - 1}] (below --n_shards), got {args.first_shard}")
     # A resumed run keeps the shards it started on: asked for others, say what to do instead.
@@ -1141,28 +1046,14 @@ def main(argv=None):
     if args.init_from is not None and not args.data_only:
         init, preset, init_record = load_init(args, target, preset)
 
-    if args.on_shards:
-        if args.data_only:
-            return make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
-        data, vocab, info_data = conversation_data(target, tokenizer, preset, args,
-                                                   init.vocab.cpu() if eagle3 and init is not None else None)
-        if init is not None and eagle3 and len(vocab) > init.draft_vocab_size:
-            init_record["widened_from_vocab_size"] = init.draft_vocab_size
-            init = widen_vocab(init, vocab, head_weight)
-        tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
-    else:
-        prompts = make_prompts(target, tokenizer, preset, args.work_dir / "prompts.json", args.seed)
-        data_dir = args.work_dir / "data"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        make_shards(target, tokenizer, preset, prompts, data_dir, args.seed)
-        if args.data_only:
-            return
-        data, vocab = load_shards(data_dir), None
-        info_data = {"train_conversations": len(data["train"]), "val_conversations": len(data["val"]),
-                     "train_tokens": sum(len(r["ids"]) for r in data["train"]),
-                     "prompt_samples": prompts.get("attempts")}
-        tau_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}])
-                       for text in prompts["val"][:args.tau_prompts]]
+    if args.data_only:
+        return make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
+    data, vocab, info_data = conversation_data(target, tokenizer, preset, args,
+                                               init.vocab.cpu() if eagle3 and init is not None else None)
+    if init is not None and eagle3 and len(vocab) > init.draft_vocab_size:
+        init_record["widened_from_vocab_size"] = init.draft_vocab_size
+        init = widen_vocab(init, vocab, head_weight)
+    tau_prompts = [r["prompt"] for r in data["val"][:args.tau_prompts]]
     data_minutes = (time.time() - t0) / 60
     print(f"data: {info_data['train_conversations']} train / {info_data['val_conversations']} val conversations, "
           f"{info_data['train_tokens']} train tokens, {data_minutes:.1f} min so far", file=sys.stderr)

@@ -72,7 +72,7 @@ def test_target_features_equal_a_forward_of_each_sequence():
 
 def test_user_turn_prefix_and_prompt_filter(smollm2_checkpoint):
     tokenizer = load_tokenizer(smollm2_checkpoint)
-    prefix = tokenizer.decode(te.user_turn_prefix(tokenizer))
+    prefix = tokenizer.decode(te.next_user_prefix(tokenizer, []))
     assert prefix.endswith("<|im_end|>\n<|im_start|>user\n") and "SmolLM" in prefix
     seen = set()
     assert te.keep_prompt("How do I bake bread at home?", seen)
@@ -130,7 +130,13 @@ def synthetic_data(target, n_conv, seed):
                for _ in range(n_conv)]
     seqs = te.generate_batch(target, prompts, 40, 0.0, None, set())
     feats = te.target_features(target, seqs)
-    return [te.answer_record(torch.tensor(s), f["features"], len(p)) for s, f, p in zip(seqs, feats, prompts)]
+    records = []
+    for s, f, p in zip(seqs, feats, prompts):  # load_conversations' form: learn[t], the token after t is an answer's
+        learn = np.zeros(len(s), dtype=bool)
+        learn[len(p) - 1:len(s) - 1] = True
+        records.append({"ids": np.array(s), "features": f["features"].numpy(), "learn": learn, "turns": 1,
+                        "prompt": np.array(s[:len(p)])})
+    return records
 
 
 def test_training_lowers_the_loss_and_raises_tau():
@@ -193,7 +199,8 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_hf_checkpoint, tmp_path, monkeypat
     assert head.fc_bias and "embed" not in " ".join(head.state_dict())  # the target's tables are not stored
     with pytest.raises(SystemExit):
         te.main(argv)  # the head exists: no overwrite without --force
-    shards = sorted((tmp_path / "head.work" / "data").glob("shard_*.pt"))
+    shards = sorted((tmp_path / "head.work" / "conversations").glob("conv_*.npz"))
+    assert len(shards) == 3
     stamp = [s.stat().st_mtime for s in shards]
     with pytest.raises(SystemExit):
         te.main(argv + ["--force"])  # a training state exists: continue it (--resume) or delete it
@@ -574,35 +581,6 @@ def test_widen_vocab_keeps_trained_rows_and_adds_the_most_frequent_from_the_targ
         te.widen_vocab(narrow, torch.tensor([3, 7, 17, 18, 40, 100, 300]), target.output.weight)
 
 
-def test_prompt_stage_resumes_where_it_stopped(tiny_hf_checkpoint, tmp_path, monkeypatch):
-    """An interrupted prompt stage continues from its saved prompts and sampler state: the result
-    equals an uninterrupted run's."""
-    from convert_hf_checkpoint import convert_hf
-
-    model_path = convert_hf(tiny_hf_checkpoint("qwen2"), dtype="float32")
-    target = checkpoint.load_model(model_path, "cpu", torch.float32)
-    tokenizer = load_tokenizer(model_path.parent)
-    monkeypatch.setattr(te, "keep_prompt", lambda text, seen: bool(text.strip()) and not seen.add(text))
-    preset = te.Preset(n_prompts=20, prompt_max_tokens=48, gen_batch=8, val_fraction=0.25)
-    whole = te.make_prompts(target, tokenizer, preset, tmp_path / "whole.json", seed=3)
-
-    calls, real = [], te.generate_batch
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(te, "generate_batch", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        te.make_prompts(target, tokenizer, preset, tmp_path / "resumed.json", seed=3)
-    assert (tmp_path / "resumed.partial.pt").is_file() and not (tmp_path / "resumed.json").exists()
-    monkeypatch.setattr(te, "generate_batch", real)
-    assert te.make_prompts(target, tokenizer, preset, tmp_path / "resumed.json", seed=3) == whole
-    assert not (tmp_path / "resumed.partial.pt").exists()
-
-
 def test_an_existing_head_is_kept_unless_forced_but_data_only_may_write_beside_it(tmp_path, capsys):
     """A head in OUT_DIR is never replaced silently; --data_only writes conversation shards only,
     so it runs beside a shipped head (how a later session grows the data without --force)."""
@@ -648,7 +626,6 @@ def test_resume_refuses_another_shard_count(tmp_path, capsys):
         with pytest.raises(SystemExit):
             te.parse_args(argv + ["--n_shards", "57", "--first_shard", first])
         assert f"--first_shard must be in [0, 56] (below --n_shards), got {first}" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        te.parse_args(["--arch", "eagle", "--checkpoint_path", str(ckpt), "--out_dir", str(tmp_path / "e2"),
-                       "--first_shard", "3"])
-    assert "--first_shard is for conversation shards" in capsys.readouterr().err
+    # EAGLE-1/2 trains on the same shards, so it takes the same flags
+    assert te.parse_args(["--arch", "eagle", "--checkpoint_path", str(ckpt), "--out_dir", str(tmp_path / "e2"),
+                          "--first_shard", "3"])[0].first_shard == 3
