@@ -8,6 +8,7 @@ only to stream them or, every few steps, to stop at an end-of-turn token. What i
 the command line comes from defaults.py's table. Under torchrun the target is sharded (tp.py).
 """
 import argparse
+import itertools
 import json
 import resource
 import sys
@@ -34,6 +35,7 @@ from tokenizer import TextStreamer, load_tokenizer
 from trees import mc_sim_7b_63, static_tree
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
+WARM_UP_TOKENS = 32    # a warm-up call's tokens: enough to run (compile, or load) every graph once
 
 
 # Plain decoding
@@ -291,9 +293,10 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
         if args.compile and args.compile_prefill:
             first = compile_prefill(prefill, args.device, model)
 
-        def decode(prompt_ids, max_new_tokens, callback=None):
+        def decode(prompt_ids, max_new_tokens, callback=None, warm_up=False):
             prompt = torch.tensor([prompt_ids], device=args.device)
-            return generate(model, prompt, max_new_tokens, stop_ids=stop_ids, callback=callback,
+            n = min(max_new_tokens, WARM_UP_TOKENS) if warm_up else max_new_tokens
+            return generate(model, prompt, n, stop_ids=stop_ids, callback=callback,
                             prefill_fn=first, decode_fn=step, **sampling)[0], None
         return decode
 
@@ -331,9 +334,12 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
     elif args.compile:
         compile_round(spec, args.compile_prefill)
 
-    def decode(prompt_ids, max_new_tokens, callback=None):
+    def decode(prompt_ids, max_new_tokens, callback=None, warm_up=False):
+        """warm_up: a few tokens, rounds and plain steps taking turns, so that every graph has run."""
         prompt = torch.tensor([prompt_ids], device=args.device)
-        ids, per_round = speculative_generate(spec, prompt, max_new_tokens, callback=callback, adaptive=adaptive)
+        modes = itertools.cycle(("round", "plain")) if warm_up and adaptive else None
+        n = min(max_new_tokens, WARM_UP_TOKENS) if warm_up else max_new_tokens
+        ids, per_round = speculative_generate(spec, prompt, n, callback=callback, adaptive=adaptive, force_modes=modes)
         return ids[0], Forwards(per_round[0], spec.plain_steps[0])
     return decode
 
@@ -383,7 +389,7 @@ def main(argv=None):
         print("Compiling the decode step and the round, or loading what an earlier run compiled (the first "
               "time takes minutes)...", file=sys.stderr)
         t = time.perf_counter()
-        decode(prompt_ids, args.max_new_tokens)
+        decode(prompt_ids, args.max_new_tokens, warm_up=True)
         print(f"Compilation and warm-up: {time.perf_counter() - t:.2f} s", file=sys.stderr)
     device_sync(device)
     t = time.perf_counter()
@@ -435,7 +441,7 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
             print(f"{name}: compiling, or loading what an earlier run compiled (the first time on a machine "
                   f"takes minutes)...", file=sys.stderr)
             t = time.perf_counter()
-            decode(prompt_ids, args.max_new_tokens)
+            decode(prompt_ids, args.max_new_tokens, warm_up=True)
             compile_s[name] = time.perf_counter() - t
         streamer = TextStreamer(tokenizer) if name == "speculative" else None
         if streamer is not None:

@@ -160,10 +160,11 @@ class Packaged:
                                f"(packages.CONSTANT_BUFFERS names buffers that a graph only reads)")
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.partial{os.getpid()}.pt2")  # no half-written package at path
-        with torch.backends.mkldnn.flags(enabled=False), warnings.catch_warnings():  # as compiling.cpu_backend
+        with warnings.catch_warnings():  # as compiling.cpu_backend: the flags warn as they are entered and left
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                     inductor_configs=settings(self.bound.call.inner))
+            with torch.backends.mkldnn.flags(enabled=False):
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
+                                                         inductor_configs=settings(self.bound.call.inner))
         os.replace(partial, path)
 
 

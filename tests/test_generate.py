@@ -201,14 +201,18 @@ def test_compiled_runs_size_their_graphs_alike_for_prompts_of_any_length(tiny_ch
     compiled runs (--compare: the plain step, the round, its plain step and flush) with prompts of
     different lengths hand the compiler the same shapes, so the second reuses the first's packages
     (packages.py; here run eagerly through the packages' wrappers, their state passed as inputs).
-    The cache length is the next power of two from 512, at most the model's context."""
+    The cache length is the next power of two from 512, at most the model's context. Every package
+    loads in a warm-up, none inside a timed run (device_sync is called around each)."""
     checkpoint, _ = tiny_checkpoint
-    compiled = []
+    compiled, events = [], []
 
     def record(self, args, state):  # what a package's key depends on besides weights and code: its shapes
         compiled.append((self.name, tuple(tuple(t.shape) for t in (*args, *state))))
+        events.append(self.name)
         return self.bound
     monkeypatch.setattr(packages.Packaged, "load_or_build", record)
+    monkeypatch.setattr(gen, "device_sync", lambda device: events.append("|"))
+    monkeypatch.setattr(gen, "WARM_UP_TOKENS", 6)  # a round and a plain burst: too few for adaptive decoding's own
     runs = []
     for prompt in ("Rivers.", "Rivers flow to the sea, and the sea gives the rain back to the hills. " * 3):
         compiled.clear()
@@ -217,6 +221,10 @@ def test_compiled_runs_size_their_graphs_alike_for_prompts_of_any_length(tiny_ch
                            "--dtype", "float32", "--no-batch_invariant"])
         assert report["identical"]
         runs.append((len(report["prompt_ids"]), sorted(compiled)))
+        # main syncs once after loading; then each timed run sits between two syncs
+        timed = " ".join(events[1:]).split("|")[1::2]
+        assert events[0] == "|" and len(timed) == 2 and not "".join(timed).strip(), events
+        events.clear()
     assert runs[0][0] + 40 < runs[1][0] and runs[0][1] == runs[1][1]
     assert {name for name, _ in runs[0][1]} == {"step", "round", "plain_step", "flush"}
     assert [gen.cache_length(n, 8192) for n in (1, 300, 512, 513, 3000)] == [512, 512, 512, 1024, 4096]
