@@ -43,9 +43,11 @@ INVARIANT_LOWERINGS = 2
 # Keep autotuning from printing each GEMM's candidates and timings (where this torch has the flags).
 CPU_QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 # What cpu_backend uses, so that a torch without one gets a clear message, not a compiler traceback.
+# (Not compile_fx, Inductor's entry point in every torch 2: importing it is slow, and a run that
+# loads its graphs from packages never needs it.)
 CPU_COMPILE_NEEDS = (("torch._inductor.config", "freezing"), ("torch._inductor.config", "max_autotune_gemm_backends"),
-                     ("torch._inductor.config", "fx_graph_cache"), ("torch._inductor.compile_fx", "compile_fx"),
-                     ("torch.compiler.config", "cache_key_tag"), ("torch.backends.mkldnn", "flags"))
+                     ("torch._inductor.config", "fx_graph_cache"), ("torch.compiler.config", "cache_key_tag"),
+                     ("torch.backends.mkldnn", "flags"))
 
 
 def missing_cpu_compile_settings() -> list:
