@@ -35,7 +35,7 @@ from tokenizer import TextStreamer, load_tokenizer
 from trees import mc_sim_7b_63, static_tree
 
 STOP_CHECK_EVERY = 16  # decode steps between host syncs that look for a stop token when not streaming
-WARM_UP_TOKENS = 32    # a warm-up call's tokens: enough to run (compile, or load) every graph once
+WARM_UP_TOKENS = 32    # a warm-up's tokens (rounds and plain steps taking turns): every graph runs once
 
 
 # Plain decoding
@@ -294,10 +294,9 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
             first = compile_prefill(prefill, args.device, model)
 
         def decode(prompt_ids, max_new_tokens, callback=None, warm_up=False):
-            prompt = torch.tensor([prompt_ids], device=args.device)
             n = min(max_new_tokens, WARM_UP_TOKENS) if warm_up else max_new_tokens
-            return generate(model, prompt, n, stop_ids=stop_ids, callback=callback,
-                            prefill_fn=first, decode_fn=step, **sampling)[0], None
+            return generate(model, torch.tensor([prompt_ids], device=args.device), n, stop_ids=stop_ids,
+                            callback=callback, prefill_fn=first, decode_fn=step, **sampling)[0], None
         return decode
 
     if args.speculate == "lookup":
@@ -335,7 +334,6 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
         compile_round(spec, args.compile_prefill)
 
     def decode(prompt_ids, max_new_tokens, callback=None, warm_up=False):
-        """warm_up: a few tokens, rounds and plain steps taking turns, so that every graph has run."""
         prompt = torch.tensor([prompt_ids], device=args.device)
         modes = itertools.cycle(("round", "plain")) if warm_up and adaptive else None
         n = min(max_new_tokens, WARM_UP_TOKENS) if warm_up else max_new_tokens
@@ -386,8 +384,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
 
     if args.compile:  # the first call compiles (or loads the compiled graphs): a warm-up, not reported
-        print("Compiling the decode step and the round, or loading what an earlier run compiled (the first "
-              "time takes minutes)...", file=sys.stderr)
+        print("Compiling, or loading what an earlier run compiled (the first time takes minutes)...", file=sys.stderr)
         t = time.perf_counter()
         decode(prompt_ids, args.max_new_tokens, warm_up=True)
         print(f"Compilation and warm-up: {time.perf_counter() - t:.2f} s", file=sys.stderr)
@@ -438,8 +435,8 @@ def compare(args, model: Transformer, tokenizer, prompt_ids, max_seq_length: int
     runs, compile_s, forwards = {}, {}, {}
     for name, decode in (("plain", plain), ("speculative", speculative)):
         if args.compile:  # compiling (or loading the compiled graphs from the disk cache) and a warm-up
-            print(f"{name}: compiling, or loading what an earlier run compiled (the first time on a machine "
-                  f"takes minutes)...", file=sys.stderr)
+            print(f"{name}: compiling, or loading what an earlier run compiled (the first time takes minutes)...",
+                  file=sys.stderr)
             t = time.perf_counter()
             decode(prompt_ids, args.max_new_tokens, warm_up=True)
             compile_s[name] = time.perf_counter() - t

@@ -24,8 +24,7 @@ from sampling import cut_at_stop, is_stop, logits_to_probs, sample, sample_from
 from trees import Tree, graft_chain, tree_structure
 
 
-def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] = None,
-           top_p: Optional[float] = None):
+def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] = None, top_p: Optional[float] = None):
     """Walk the tree from the root, choosing at each node the token the target would emit there.
 
     logits [B, T, V]: the target's logits at every node. Returns (node [B]: the last accepted node,
@@ -105,18 +104,17 @@ class Speculator(nn.Module):
         super().__init__()
         if lookup < 0 or lookup_ngram < 1:
             raise ValueError(f"lookup must be >= 0 and the lookup n-gram >= 1, got {lookup} and {lookup_ngram}")
+        vocab = getattr(draft, "draft_vocab_size", target.config.vocab_size)  # what the draft chooses from
         if draft is None:
             if lookup < 1 or static is not None:
                 raise ValueError("without a draft, a round's guesses come from prompt lookup: give lookup >= 1")
             tree_top_k, tree_depth, tree_tokens = 0, 0, 1  # the root alone, then the lookup chain
         elif static is not None:
-            vocab = getattr(draft, "draft_vocab_size", target.config.vocab_size)
             tree_depth, tree_tokens = static.max_depth, static.parents.numel()
             if static.n_ranks > vocab:
                 raise ValueError(f"the static tree uses child rank {static.n_ranks - 1}, the draft's vocabulary has "
                                  f"{vocab} tokens")
         else:
-            vocab = getattr(draft, "draft_vocab_size", target.config.vocab_size)  # what the draft chooses from
             if not 1 <= tree_top_k <= vocab:
                 raise ValueError(f"the tree's top_k must be in [1, {vocab}], got {tree_top_k}")
             if tree_depth < 1:
@@ -126,9 +124,8 @@ class Speculator(nn.Module):
                 raise ValueError(f"the tree's tokens must be in [2, {most}] for top_k {tree_top_k} and depth {tree_depth}, "
                                  f"got {tree_tokens}")
             # The draft grows no deeper than the tree can reach: a candidate's score is at most its
-            # parent's, so the tree_tokens - 1 best never lie below depth tree_tokens - 1, and each
-            # level more would be a draft forward for nothing (4 tokens with eagle3's default
-            # depth 8 ran five of them a round).
+            # parent's, so the tree_tokens - 1 best never lie below depth tree_tokens - 1, and a level
+            # more would be a draft forward for nothing.
             tree_depth = min(tree_depth, tree_tokens - 1)
         self.target, self.draft, self.static = target, draft, static
         self.tree_top_k, self.tree_depth, self.tree_tokens = tree_top_k, tree_depth, tree_tokens  # the draft's tree
