@@ -267,7 +267,7 @@ def step_timer(model: Transformer, step, prompt: torch.Tensor):
 
 
 def plain_decoders(args, model: Transformer, stop_ids, name: str, compiled: bool) -> tuple:
-    """({(name, T): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)}, the step): plain decoding,
+    """({(name, T): decode(prompt_ids, max_new_tokens, warm_up=False) -> (ids, Forwards)}, the step): plain decoding,
     compiled as generate.py compiles it (CUDA graphs on CUDA)."""
     step, first = gen.decode_one_token, gen.prefill
     if compiled:
@@ -276,7 +276,7 @@ def plain_decoders(args, model: Transformer, stop_ids, name: str, compiled: bool
             first = compile_prefill(gen.prefill, args.device, model)
 
     def plain(T):
-        def decode(prompt_ids, max_new_tokens):
+        def decode(prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
             prompt = torch.tensor([prompt_ids], device=args.device)
             ids = gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T, prefill_fn=first,
                                decode_fn=step)[0]
@@ -354,7 +354,7 @@ def dynamic_shape(args, method: str, T: float, model: Transformer, drafts: dict,
 
 
 def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
-    """({(method, T): decode(prompt_ids, max_new_tokens) -> (ids, Forwards)}, the tree shapes, vanilla's
+    """({(method, T): decode(prompt_ids, max_new_tokens, warm_up=False) -> (ids, Forwards)}, the tree shapes, vanilla's
     step). All methods share the target, the drafts and their caches, allocated once for the largest
     tree before anything is compiled."""
     shapes = tree_shapes(args, model, drafts, probes, stop_ids)
@@ -386,7 +386,7 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
     stop = sorted(stop_ids)
 
     def peer(options):
-        def decode(prompt_ids, max_new_tokens):
+        def decode(prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
             prompt = torch.tensor([prompt_ids], device=args.device)
             lengths = []
 
@@ -479,8 +479,9 @@ def run_mt_bench(args, argv=None) -> dict:
     decoders.update(more)
     args.methods = [*args.methods, *dict.fromkeys(m for m, _ in more)]
 
-    for decode in tqdm(decoders.values(), desc="warm-up", file=sys.stderr):  # compiles, with --compile
-        decode(probe_ids, min(args.max_new_tokens, 32))
+    # compiles, with --compile; a speculative warm-up also takes plain steps, so that no graph compiles in a timed answer
+    for decode in tqdm(decoders.values(), desc="warm-up", file=sys.stderr):
+        decode(probe_ids, min(args.max_new_tokens, gen.WARM_UP_TOKENS), warm_up=True)
     # vanilla's step against the copy bandwidth, in this run, before the answers
     step_s = seconds_per_call(step_timer(model, step, torch.tensor([probe_ids], device=device)), 40, device)
     weight_bytes = gen.model_bytes_per_token(model)

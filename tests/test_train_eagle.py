@@ -70,7 +70,7 @@ def test_target_features_equal_a_forward_of_each_sequence():
         torch.testing.assert_close(g["top_probs"].float(), top.values, atol=1e-3, rtol=1e-3)
 
 
-def test_user_turn_prefix_and_prompt_filter(smollm2_checkpoint):
+def test_next_user_prefix_and_prompt_filter(smollm2_checkpoint):
     tokenizer = load_tokenizer(smollm2_checkpoint)
     prefix = tokenizer.decode(te.next_user_prefix(tokenizer, []))
     assert prefix.endswith("<|im_end|>\n<|im_start|>user\n") and "SmolLM" in prefix
