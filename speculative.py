@@ -175,24 +175,22 @@ class Speculator(nn.Module):
         ).items():
             self.register_buffer(name, value, persistent=False)
 
-    def prefill(self, prompt: Tensor, max_new_tokens: int, root: Optional[Tensor] = None):
+    def prefill(self, prompt: Tensor, max_new_tokens: int):
         """Target and draft read the prompt [B, L]; the first new token is sampled exactly as in
-        vanilla decoding, or is root [B] where the caller chose it (research/acceptance_bound.py
-        looks at the round that starts after a given text)."""
+        vanilla decoding."""
         B, L = prompt.shape
         if L + max_new_tokens + 2 * (self.depth + 1) > self.capacity or B != self.out.size(0):
             self.setup(B, L + max_new_tokens + 2 * (self.depth + 1))  # room for the last round's overshoot
-        self.read_prompt(prompt, max_new_tokens, root)
+        self.read_prompt(prompt, max_new_tokens)
 
-    def read_prompt(self, prompt: Tensor, max_new_tokens: int, root: Optional[Tensor] = None):
+    def read_prompt(self, prompt: Tensor, max_new_tokens: int):
         """prefill once the caches and buffers are big enough: the part a compiled prefill compiles
         (growing them, setup, is host work that dynamo cannot trace)."""
         B, L = prompt.shape
         target, device = self.target, prompt.device
         logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
                                              layer_ids=self.layer_ids)
-        if root is None:
-            root = sample(logits[:, -1], *self.sampling)
+        root = sample(logits[:, -1], *self.sampling)
         self.cu_tokens.zero_()
         self.cu_features.zero_()
         if self.draft is not None:
