@@ -213,16 +213,17 @@ def report() -> dict:
 # ---------------------------------------------------------------------------------------------
 # The tests
 # ---------------------------------------------------------------------------------------------
-pytestmark = [pytest.mark.skipif(bool(unavailable()), reason=f"no ahead-of-time CUDA compilation: {unavailable()}"),
-              pytest.mark.xdist_group("kernel_fit")]  # one worker: the compiles (the fixture) run once
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no ahead-of-time CUDA compilation: {unavailable()}")
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    done = subprocess.run([sys.executable, __file__], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+@pytest.fixture(scope="session")
+def compiled(build_once):  # a session's, not a module's: pytest-xdist workers share it
+    def build(folder):
+        done = subprocess.run([sys.executable, __file__], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "TRITON_INTERPRET": "0"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        (folder / "report.json").write_text(done.stdout)
+    return json.loads((build_once("kernel_fit", build) / "report.json").read_text())
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -150,21 +150,19 @@ def thread_names() -> list:
     return names
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tp")
-    write_models(folder)
-    return folder
+@pytest.fixture(scope="session")
+def files(build_once):  # the session's, shared by pytest-xdist's workers
+    return build_once("tp", write_models)
 
 
-@pytest.fixture(scope="module")
-def ranks(files):
+@pytest.fixture(scope="session")
+def ranks(files, build_once):
     """[rank 0's results, rank 1's results] of one two-process run."""
-    mp.spawn(run_rank, args=(files, free_port()), nprocs=WORLD_SIZE)
+    build_once("tp-ranks", lambda _: mp.spawn(run_rank, args=(files, free_port()), nprocs=WORLD_SIZE))
     return [torch.load(files / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(files):
     return scenarios(files, None)
 
