@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct GGUF file when it is on disk.
     tiny_hf_checkpoint(arch, weights="safetensors", **config) -> folder written by save_pretrained
     tiny_sentencepiece_model                                  -> path of a tiny tokenizer.model
     smollm2_gguf / smollm2_checkpoint                         -> the real model, or the test skips
+    build_once(name, build)                                   -> a folder built once for every xdist worker
 """
 import json
 import os
@@ -293,37 +294,35 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def built_once(tmp_path_factory, name: str, build) -> Path:
-    """The folder `name` that build(folder) fills once per test session, for fixtures that build
-    something costly. Each pytest-xdist worker is a process of its own, whose session fixtures run
-    again: the workers share the session's temporary root, so the first to ask builds under a lock
-    and the others wait for it and read. (xdist's --dist loadgroup would keep such tests on one
-    worker, but under pytest 9.2 it does not group: pytest-xdist issue 1386.)"""
+@pytest.fixture(scope="session")
+def build_once(tmp_path_factory):
+    """build_once(name, build) -> the folder `name` that build(folder) fills once per test session,
+    for fixtures that build something costly. Each pytest-xdist worker is a process of its own, whose
+    session fixtures run again: the workers share the session's temporary root, so the first to ask
+    builds under a lock and the others wait for it and read. (xdist's --dist loadgroup would keep
+    such tests on one worker, but under pytest 9.2 it does not group: pytest-xdist issue 1386.)"""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's root; a worker's own is root/popen-gwN
-    folder, done = root / name, root / f"{name}.done"
-    with FileLock(str(root / f"{name}.lock")):
-        if not done.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            build(folder)
-            done.touch()
-    return folder
+
+    def build_once(name: str, build) -> Path:
+        folder, done = root / name, root / f"{name}.done"
+        with FileLock(str(root / f"{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                build(folder)
+                done.touch()
+        return folder
+    return build_once
 
 
 @pytest.fixture(scope="session")
-def build_once(tmp_path_factory):
-    """built_once for this session: build_once(name, build) -> the folder."""
-    return lambda name, build: built_once(tmp_path_factory, name, build)
-
-
-@pytest.fixture(scope="session")
-def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
+def smollm2_checkpoint(smollm2_gguf, build_once) -> Path:
     """The real GGUF converted once per session (a few seconds) into a temporary folder."""
     from convert_hf_checkpoint import convert_gguf
 
-    return built_once(tmp_path_factory, "SmolLM2-135M-Instruct", lambda folder: convert_gguf(smollm2_gguf, folder))
+    return build_once("SmolLM2-135M-Instruct", lambda folder: convert_gguf(smollm2_gguf, folder))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -362,8 +362,8 @@ def test_a_model_on_the_kernels_gives_a_verify_the_rows_of_one_token_steps(devic
     48-node tree verifies equals the one-token step's logits bit for bit, with one pass over K and
     over the old part, and with split-K linears (their sums added by a second launch, or folded
     into the first; the norms apart, or fused into the linears) and chunked attention (and on CUDA
-    int8 and int4 targets, next test). In the interpreter one layer and a 24-node verify of a 6-token chain. On the CPU the
-    attention is routed to the kernel as the mode routes it on CUDA."""
+    int8 and int4 targets, next test). In the interpreter one layer and a 24-node verify of a
+    6-token chain. On the CPU the attention is routed to the kernel as the mode routes it on CUDA."""
     for name, value in setting.items():
         monkeypatch.setattr(ik, name, value)
     if device == "cpu":  # the mode sends a WindowMask to the kernel on CUDA only
