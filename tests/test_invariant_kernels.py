@@ -1,7 +1,7 @@
 """kernels/invariant.py: batch-invariant mode's CUDA kernels. Each kernel's row t of a T-row call
 equals a one-row call bit for bit (T = 1..64), the kernels agree with PyTorch's arithmetic, and a
 whole model on them (invariant.use_invariant_kernels) gives a verify's rows the bits of one-token
-steps. (That every launch compiles for sm_80/86/89/90: tests/test_kernel_fit.py.)
+steps. (That every launch compiles for sm_80/86/90: tests/test_kernel_fit.py.)
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
 before anything imports triton). The interpreter has no bfloat16 tl.dot (triton-lang/triton#11584),
