@@ -5,6 +5,7 @@ a step replays as one CUDA graph. On a CPU, cpu_backend applies the CPU inferenc
 graph compiles and keys Inductor's disk cache by the weights, so a later process loads what an
 earlier one compiled. Settings are per function, so graphs compiled in one process keep their own.
 """
+import functools
 import hashlib
 import importlib
 import warnings
@@ -139,6 +140,17 @@ def weights_digest(*modules: nn.Module) -> str:
     return h.hexdigest()
 
 
+def render_templates_from_cache():
+    """Inductor turns the jinja2 source of its C++ GEMM template (and of the micro-kernels inside)
+    into a Template again at every render, several times for each GEMM of a graph (what that costs
+    a CPU compile with max-autotune: RESULTS.md, "Start-up"). The sources are constant strings, so
+    each is turned once per process. Where this torch has no such method, nothing changes."""
+    from torch._inductor.codegen.common import KernelTemplate
+    method = KernelTemplate.__dict__.get("_template_from_string")
+    if isinstance(method, staticmethod) and not hasattr(method.__func__, "cache_info"):
+        KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(method.__func__))
+
+
 def cpu_backend(*modules: nn.Module):
     """A torch.compile backend for the modules' graphs on a CPU: Inductor with CPU_INDUCTOR (and
     CPU_INVARIANT in the mode), its cache keyed by weights_digest, oneDNN off while compiling.
@@ -146,6 +158,7 @@ def cpu_backend(*modules: nn.Module):
     every process would recompile. The C++ templates pack their own weights into plain tensors. The
     pass registers once per process, on the first frozen compile, so every one must come here."""
     from torch._inductor.compile_fx import compile_fx
+    render_templates_from_cache()
     tag = weights_digest(*modules)
     settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
     if batch_invariant(modules):

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import compiling
-from compiling import batch_invariant, weights_digest
+from compiling import batch_invariant, render_templates_from_cache, weights_digest
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Experts, WeightOnlyInt8Linear
 from sampling import sample
 
@@ -160,6 +160,7 @@ class Packaged:
                                f"(packages.CONSTANT_BUFFERS names buffers that a graph only reads)")
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.partial{os.getpid()}.pt2")  # no half-written package at path
+        render_templates_from_cache()
         with warnings.catch_warnings():  # as compiling.cpu_backend: the flags warn as they are entered and left
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
             with torch.backends.mkldnn.flags(enabled=False):

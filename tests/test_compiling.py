@@ -90,3 +90,19 @@ def test_a_torch_without_a_cpu_compile_setting_gets_a_clear_message(monkeypatch,
     with pytest.raises(SystemExit):
         gen.parse_args(["--checkpoint_path", str(checkpoint_path), "--compile", "--device", "cpu"])
     assert "--compile on a CPU needs torch._inductor.config.no_such_setting" in capsys.readouterr().err
+
+
+def test_gemm_templates_render_from_one_compiled_template_per_source():
+    """compiling.render_templates_from_cache: Inductor's KernelTemplate turns a source into a jinja2
+    Template once (the same object for the same source, asked again), and it renders what a
+    Template made afresh renders; applied twice, it wraps the method once."""
+    from torch._inductor.codegen.common import KernelTemplate
+    compiling.render_templates_from_cache()
+    compiling.render_templates_from_cache()
+    method = KernelTemplate.__dict__["_template_from_string"].__func__
+    assert hasattr(method, "cache_info") and not hasattr(method.__wrapped__, "cache_info")
+    source = "{% for i in range(n) %}x[{{i}}] = {{ value }};\n{% endfor %}"
+    first = KernelTemplate._template_from_string(source)
+    assert KernelTemplate._template_from_string(source) is first
+    assert first.render(n=3, value=2) == method.__wrapped__(source).render(n=3, value=2) == \
+        "x[0] = 2;\nx[1] = 2;\nx[2] = 2;\n"
