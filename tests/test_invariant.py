@@ -65,11 +65,11 @@ def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype)
 @torch.no_grad()
 def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype):
     """The window form compiled for the CPU, at SmolLM2's geometry (9 query and 3 KV heads of 64)
-    over a 512-slot cache at positions past 300: each row of a 3- and a 32-query call equals the
-    one-query call's bit for bit (each count a graph). When the two parts were merged outside the kernel, Inductor
-    computed the merge's exp in a vector loop for one query and in a scalar tail loop for more, and
-    float32 rows differed; the whole-model compiled test below (tiny-llama, head_dim 16, 4 query
-    heads over 2 KV heads) did not show it."""
+    over a 512-slot cache at positions past 300: each row of a 3- and a 32-query call (each count a
+    graph) equals the one-query call's bit for bit. When the two parts were merged outside the
+    kernel, Inductor computed the merge's exp in a vector loop for one query and in a scalar tail
+    loop for more, and float32 rows differed; the whole-model compiled test below (tiny-llama,
+    head_dim 16, 4 query heads over 2 KV heads) did not show it."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     B, KV, G, S, D, T, W = 1, 3, 3, 512, 64, 32, 32
