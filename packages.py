@@ -3,8 +3,9 @@ seconds instead of tracing them again.
 
 torch.compile traces a graph anew in every process, even when Inductor's disk cache holds its
 compiled code: on a CPU that is about a minute for a round. A package
-(torch._inductor.aoti_compile_and_package) holds the compiled code and its frozen weights, and
-aoti_load_package reads it back without tracing. Each package is keyed by everything its graph
+(torch._inductor.aoti_compile_and_package) holds the compiled code and its frozen weights in one
+shared library, which is kept on disk unpacked and loaded without tracing (aoti_load_package would
+unpack the whole archive, weights included, at every load: most of a later run's start-up). Each package is keyed by everything its graph
 depends on: this project's source, torch's version, the Inductor settings (and TORCHINDUCTOR_*
 variables), the weights, the modules' configuration (dtype, tree, batch-invariant mode) and the
 shapes of its inputs; a key with no package builds one (minutes, once).
@@ -18,12 +19,15 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 import compiling
@@ -31,7 +35,7 @@ from compiling import batch_invariant, render_templates_from_cache, weights_dige
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Experts, WeightOnlyInt8Linear
 from sampling import sample
 
-FORMAT = 1  # bump when what a package holds, or how it is called, changes
+FORMAT = 2  # bump when what a package holds, or how it is called, changes
 ROOT = Path(__file__).resolve().parent
 # Buffers a graph only reads, which the package keeps as constants: stop ids, RoPE tables, the
 # draft's vocabulary, and the block the KV caches are views of (a graph reads and writes the views).
@@ -132,10 +136,10 @@ class Packaged:
     def load_or_build(self, args, state):
         parts = self.key_parts(args, state)
         key = hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=10).hexdigest()
-        path = self.folder / f"{self.name}-{key}.pt2"
+        path = self.folder / f"{self.name}-{key}.so"
         if path.exists():
             try:
-                return torch._inductor.aoti_load_package(str(path))
+                return load(path)
             except Exception as e:  # a truncated or foreign file: build it again
                 first_line = (str(e).strip().splitlines() or [""])[0][:160]
                 print(f"[compile] {path} could not be loaded ({type(e).__name__}: {first_line}); building it again",
@@ -145,7 +149,7 @@ class Packaged:
                   f"later runs load it in seconds", file=sys.stderr)
         self.build(path, args, state)
         path.with_suffix(".json").write_text(json.dumps(parts, indent=1))
-        return torch._inductor.aoti_load_package(str(path))
+        return load(path)
 
     @torch.no_grad()
     def build(self, path: Path, args, state):
@@ -159,14 +163,31 @@ class Packaged:
             raise RuntimeError(f"{self.name} writes buffers it keeps as constants: {', '.join(hidden)} "
                                f"(packages.CONSTANT_BUFFERS names buffers that a graph only reads)")
         self.folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.partial{os.getpid()}.pt2")  # no half-written package at path
+        partial = path.with_name(f"{path.stem}.partial{os.getpid()}.pt2")  # no half-written library at path
         render_templates_from_cache()
         with warnings.catch_warnings():  # as compiling.cpu_backend: the flags warn as they are entered and left
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
             with torch.backends.mkldnn.flags(enabled=False):
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
                                                          inductor_configs=settings(self.bound.call.inner))
-        os.replace(partial, path)
+        with zipfile.ZipFile(partial) as archive:  # the package's one shared library: code and weights
+            libraries = [n for n in archive.namelist() if n.endswith(".so")]
+            if len(libraries) != 1:
+                raise RuntimeError(f"{partial} holds {len(libraries)} shared libraries, not one")
+            with archive.open(libraries[0]) as src, open(partial.with_suffix(".so"), "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+        partial.unlink()
+        os.replace(partial.with_suffix(".so"), path)
+
+
+def load(path: Path):
+    """The compiled function in the shared library at path, called with tensors, as a package is."""
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+    out_spec = pytree.treespec_loads(runner.get_call_spec()[1])
+
+    def call(*tensors):
+        return pytree.tree_unflatten(runner.run(list(tensors)), out_spec)
+    return call
 
 
 def why_new(folder: Path, name: str, parts: dict) -> str:

@@ -45,7 +45,7 @@ def test_packaged_step_and_round_decode_as_eager_and_a_later_run_loads_them(tiny
         return out
 
     assert decode_all(model, spec) == [p for p in plain for _ in range(2)]
-    built = sorted(p.name.split("-")[0] for p in folder.glob("*.pt2"))
+    built = sorted(p.name.split("-")[0] for p in folder.glob("*.so"))
     assert built == ["round", "step"]  # one each for both prompts; adaptive's plain step and flush never ran
 
     def no_build(self, *args):
@@ -95,9 +95,8 @@ def test_a_damaged_package_is_built_again_and_a_new_key_says_why(tmp_path, capsy
         built.append(path.name)
         path.write_bytes(b"built")
     monkeypatch.setattr(packages.Packaged, "build", fake_build)
-    monkeypatch.setattr(torch._inductor, "aoti_load_package",
-                        lambda path: (_ for _ in ()).throw(RuntimeError("bad zip\ndetails")) if
-                        open(path, "rb").read() != b"built" else "loaded")
+    monkeypatch.setattr(packages, "load", lambda path: (_ for _ in ()).throw(RuntimeError("bad library\ndetails"))
+                        if open(path, "rb").read() != b"built" else "loaded")
     parts = {"torch": "2", "weights": "a", "inputs": "x"}
     monkeypatch.setattr(packages.Packaged, "key_parts", lambda self, args, state: dict(parts))
     p = packages.Packaged(packages.greedy_step, torch.nn.Linear(2, 2), "step", tmp_path)
@@ -108,7 +107,7 @@ def test_a_damaged_package_is_built_again_and_a_new_key_says_why(tmp_path, capsy
     (tmp_path / built[0]).write_bytes(b"truncated")
     assert p.load_or_build((), []) == "loaded" and built[1] == built[0]
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "could not be loaded (RuntimeError: bad zip); building it again" in err
+    assert err.count("\n") == 1 and "could not be loaded (RuntimeError: bad library); building it again" in err
     parts["weights"] = "b"
     assert p.load_or_build((), []) == "loaded" and len(built) == 3 and built[2] != built[0]
     assert "the last one was built for another weights" in capsys.readouterr().err
