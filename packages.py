@@ -5,10 +5,11 @@ torch.compile traces a graph anew in every process, even when Inductor's disk ca
 compiled code: on a CPU that is about a minute for a round. A package
 (torch._inductor.aoti_compile_and_package) holds the compiled code and its frozen weights in one
 shared library, which is kept on disk unpacked and loaded without tracing (aoti_load_package would
-unpack the whole archive, weights included, at every load: most of a later run's start-up). Each package is keyed by everything its graph
-depends on: this project's source, torch's version, the Inductor settings (and TORCHINDUCTOR_*
-variables), the weights, the modules' configuration (dtype, tree, batch-invariant mode) and the
-shapes of its inputs; a key with no package builds one (minutes, once).
+unpack the whole archive, weights included, at every load: most of a later run's start-up). Each
+package is keyed by everything its graph depends on: this project's source, torch's version, the
+Inductor settings (and TORCHINDUCTOR_* variables), the weights, the modules' configuration (dtype,
+tree, batch-invariant mode) and the shapes of its inputs; a key with no package builds one
+(minutes, once).
 
 A graph's mutable state (KV caches, a Speculator's buffers) goes in as inputs that the package
 updates in place, so the caller's tensors stay the state. As module buffers instead, torch.export

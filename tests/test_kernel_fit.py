@@ -213,16 +213,16 @@ def report() -> dict:
     for sm_90 with it typed fp32 and fp64."""
     from kernels import int8_matmul, tree_attention
     limits = tree_attention.SHARED_MEMORY_PER_BLOCK
-    rows, compiled = [], {}
+    rows, results = [], {}
     for name, capability in TARGETS.items():
         for launch in gather(limits[capability]):
             # sm_80 and sm_86 lower through the same Ampere path: a launch both choose compiles once
             # (40 of 41 here; compiled for both, each took the same shared memory)
             key = (capability[0], launch.describe())
-            if key not in compiled:
-                compiled[key] = compile_launch(launch, capability)
+            if key not in results:
+                results[key] = compile_launch(launch, capability)
             rows.append(dict(target=name, limit=limits[capability], launch=launch.describe(), bound=host_bound(launch),
-                             **compiled[key]))
+                             **results[key]))
     old = Launch(int8_matmul, "_int8_matmul_kernel", (meta(100, 4096), meta(4096, 4096, dtype=torch.int8), meta(4096),
                                                       meta(100, 4096), 100, 4096, 4096, 4096, 4096, 4096),
                  dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4))
