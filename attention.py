@@ -4,7 +4,7 @@ use_attention sets it for a whole model or draft.
     sdpa              model.py's own: PyTorch's scaled_dot_product_attention over a dense mask
     cpu_attention     on a CPU: the same attention in the forms that are fastest there (below)
     tree_kernel_attention   on CUDA: a TreeMask goes to the fused Triton kernel of
-                      kernels/tree_attention.py, which reads the prefix without a mask
+                      gpu_kernels/tree_attention.py, which reads the prefix without a mask
 
 invariant.py sets a kernel of its own for the batch-invariant mode.
 """
@@ -18,7 +18,7 @@ from torch import Tensor
 from model import Attention, TreeMask, sdpa
 
 try:  # the fused tree kernel needs Triton (Linux x86-64); without it every mask takes SDPA
-    from kernels import tree_attention
+    from gpu_kernels import tree_attention
 except (ImportError, AttributeError) as e:  # AttributeError: a Triton too old for what the kernel uses
     tree_attention, TREE_KERNEL_MISSING = None, f"{type(e).__name__}: {e}"
 

@@ -4,10 +4,10 @@ bfloat16 and float16 too (docs/batch_invariance.md). enable(model) applies it fr
 
     attention    each query attends over a layout fixed by its position alone (WindowMask): old
                  cache slots in place, the W + 1 recent positions gathered in order. On a CPU via
-                 ATen's flash kernel (invariant_attention); on CUDA via kernels/invariant.py.
+                 ATen's flash kernel (invariant_attention); on CUDA via gpu_kernels/invariant.py.
     linears      compiled on a CPU, Inductor's C++ GEMM templates only (compiling.py); quantized
                  layers via quantize.set_row_invariant; on CUDA, linears and norms on
-                 kernels/invariant.py's kernels (use_invariant_kernels).
+                 gpu_kernels/invariant.py's kernels (use_invariant_kernels).
     eager        torch's CPU GEMMs keep rows invariant only up to a row count that depends on the
                  CPU and shape: eager_invariant_rows asks them, and larger trees are refused.
 
@@ -28,7 +28,7 @@ from model import FeedForward, RMSNorm, Transformer, TransformerBlock, TreeMask
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear, set_row_invariant
 
 try:  # the CUDA kernels need Triton; without it the mode runs on CPUs only
-    from kernels import invariant as cuda_kernels
+    from gpu_kernels import invariant as cuda_kernels
 except (ImportError, AttributeError) as e:
     cuda_kernels, CUDA_KERNELS_MISSING = None, f"{type(e).__name__}: {e}"
 
@@ -310,7 +310,7 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     return out.to(q.dtype).view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, H, T, D)
 
 
-# On CUDA: the target's linears and norms on kernels/invariant.py's kernels.
+# On CUDA: the target's linears and norms on gpu_kernels/invariant.py's kernels.
 class InvariantLinear(nn.Module):
     """A float, int8 or int4 linear through the invariant_linear kernel, on the layer's own tensors
     (tied weights stay tied); an int4 layer's weight here is its portable nibbles, not torch's packing."""

@@ -180,7 +180,7 @@ class TreeMask(NamedTuple):
     """The mask of tree queries, compact. Query i of row b sees the prefix, slots < prefix_len[b],
     and those slots of the tree region, the last R = visible.size(-1) slots of the cache, that
     visible[b, i] marks; never the slots in between. Accepted wherever a dense [B, T, S] mask is:
-    a fused kernel takes it as it is (kernels/tree_attention.py), sdpa() as dense()."""
+    a fused kernel takes it as it is (gpu_kernels/tree_attention.py), sdpa() as dense()."""
     prefix_len: Tensor  # [B] long
     visible: Tensor     # [B, T, R] bool
 

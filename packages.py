@@ -207,7 +207,7 @@ def why_new(folder: Path, name: str, parts: dict) -> str:
 def source_digest() -> str:
     """A digest of this project's Python files: the code a graph is traced from."""
     h = hashlib.blake2b(digest_size=16)
-    for path in sorted([*ROOT.glob("*.py"), *ROOT.glob("kernels/*.py")]):
+    for path in sorted([*ROOT.glob("*.py"), *ROOT.glob("gpu_kernels/*.py")]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 

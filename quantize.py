@@ -34,7 +34,7 @@ from model import Experts
 int8_matmul = None
 if torch.cuda.is_available():
     try:
-        from kernels.int8_matmul import int8_matmul
+        from gpu_kernels.int8_matmul import int8_matmul
     except (ImportError, AttributeError):
         pass
 

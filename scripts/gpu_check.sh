@@ -180,8 +180,8 @@ if [ "$DRY" = 0 ]; then
         || die "no CUDA device visible to $PY (for a check without one: --dry_run)"
 fi
 "$PY" -c 'import torch, triton, platform; print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"))' 2>&1 | while read -r line; do log "$line"; done
-# the device's per-block shared-memory limit next to the table of kernels/tree_attention.py
-[ "$DRY" = 0 ] && "$PY" -c 'import torch; from kernels import tree_attention as ta; p = torch.cuda.get_device_properties(0); optin = getattr(p, "shared_memory_per_block_optin", None); d = torch.device("cuda", 0); print(f"shared memory per block: {optin} bytes (opt-in); launches choose by {ta.shared_memory_limit(d)}; the table for sm_{p.major}{p.minor}: {ta.SHARED_MEMORY_PER_BLOCK.get((p.major, p.minor))}")' 2>&1 | while read -r line; do log "$line"; done
+# the device's per-block shared-memory limit next to the table of gpu_kernels/tree_attention.py
+[ "$DRY" = 0 ] && "$PY" -c 'import torch; from gpu_kernels import tree_attention as ta; p = torch.cuda.get_device_properties(0); optin = getattr(p, "shared_memory_per_block_optin", None); d = torch.device("cuda", 0); print(f"shared memory per block: {optin} bytes (opt-in); launches choose by {ta.shared_memory_limit(d)}; the table for sm_{p.major}{p.minor}: {ta.SHARED_MEMORY_PER_BLOCK.get((p.major, p.minor))}")' 2>&1 | while read -r line; do log "$line"; done
 DRYFLAG=()
 [ "$DRY" = 1 ] && DRYFLAG=(--dry_run)
 

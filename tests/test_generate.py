@@ -279,7 +279,7 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
 
 
 def test_batch_invariant_on_cuda_takes_every_dtype_and_quantized_files_and_refuses_torchrun():
-    """On CUDA the mode runs on kernels/invariant.py in every dtype, eager or compiled, int8 and int4
+    """On CUDA the mode runs on gpu_kernels/invariant.py in every dtype, eager or compiled, int8 and int4
     files too (tests/test_invariant_kernels.py); torchrun is refused in one line."""
     for dtype in ("bfloat16", "float16", "float32"):
         for compile in (False, True):

@@ -1,12 +1,14 @@
 """The import graph: every module imports in a fresh interpreter, the project's modules import one
-another in one direction (no cycle), and no project import hides inside a function."""
+another in one direction (no cycle), no project import hides inside a function, and no project name
+shadows an installed package."""
 import ast
+import importlib.metadata
 import subprocess
 import sys
 
 from conftest import ROOT
 
-MODULES = sorted([p.stem for p in ROOT.glob("*.py")] + [f"kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py")
+MODULES = sorted([p.stem for p in ROOT.glob("*.py")] + [f"gpu_kernels.{p.stem}" for p in (ROOT / "gpu_kernels").glob("*.py")
                                                          if p.stem != "__init__"])
 TOP = {name.split(".")[0] for name in MODULES}
 
@@ -58,3 +60,13 @@ def test_imports_point_one_way_and_none_hides_in_a_function():
         walk(node, [])
     assert order.index("model") < order.index("speculative") < order.index("generate")
     assert edges["model"] == set()  # the model imports nothing of the project
+
+
+def test_no_project_name_shadows_an_installed_or_standard_module():
+    """The repository root comes first on sys.path, so a project module named like an installed package
+    hides that package from everyone: transformers imports Hugging Face's `kernels` package, once a
+    name of ours, and failed with an ImportError from our folder."""
+    ours = ({p.stem for folder in (".", "scripts", "research") for p in (ROOT / folder).glob("*.py")}
+            | {p.parent.name for p in ROOT.glob("*/__init__.py")})
+    taken = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    assert not ours & taken, f"project modules named like installed or standard ones: {sorted(ours & taken)}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kernels import int8_matmul
+from gpu_kernels import int8_matmul
 import quantize
 
 DEVICES = [

@@ -1,4 +1,4 @@
-"""kernels/invariant.py: batch-invariant mode's CUDA kernels. Each kernel's row t of a T-row call
+"""gpu_kernels/invariant.py: batch-invariant mode's CUDA kernels. Each kernel's row t of a T-row call
 equals a one-row call bit for bit (T = 1..64), the kernels agree with PyTorch's arithmetic, and a
 whole model on them (invariant.use_invariant_kernels) gives a verify's rows the bits of one-token
 steps. (That every launch compiles for sm_80/86/90: tests/test_kernel_fit.py.)
@@ -15,7 +15,7 @@ import torch
 import invariant
 from compiling import compile_function
 from conftest import invariant_cases, tiny_target
-from kernels import invariant as ik
+from gpu_kernels import invariant as ik
 from model import RMSNorm
 
 

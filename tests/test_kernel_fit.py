@@ -1,4 +1,4 @@
-"""The Triton kernels of kernels/ fit the GPUs we target: every launch configuration the host code
+"""The Triton kernels of gpu_kernels/ fit the GPUs we target: every launch configuration the host code
 chooses (tree_attention, int8_matmul, and batch-invariant mode's linear, norm and attention in
 kernels/invariant.py) for a representative set of shapes and dtypes compiles ahead of time for
 sm_80, sm_86 and sm_90 with Triton's CUDA backend, within the GPU's per-block shared memory and
@@ -83,7 +83,7 @@ def recording(limit: int):
     takes meta tensors and sees `limit` bytes of shared memory per block."""
     import triton
 
-    from kernels import int8_matmul, invariant, tree_attention
+    from gpu_kernels import int8_matmul, invariant, tree_attention
     launches = []
     with contextlib.ExitStack() as stack:
         for module in (tree_attention, int8_matmul, invariant):
@@ -104,7 +104,7 @@ def gather(limit: int) -> list:
     """The launches of the representative set under a shared-memory limit, one of each resource
     class: kernel, dtypes and constants (the integers Triton specializes on, and how many shares a
     split launch has, do not change what a block needs)."""
-    from kernels import int8_matmul, invariant, tree_attention
+    from gpu_kernels import int8_matmul, invariant, tree_attention
     long, bool_, bf16, f32 = dict(dtype=torch.long), dict(dtype=torch.bool), torch.bfloat16, torch.float32
     linear = invariant.invariant_linear._init_fn  # the op's own function: a meta tensor would reach its fake
     with recording(limit) as launches:
@@ -198,7 +198,7 @@ def compile_launch(launch: Launch, capability: tuple, float_args: str = "fp32", 
 
 def host_bound(launch: Launch):
     """The shared memory the host code assumed when it chose the launch (its module's shared_bytes)."""
-    from kernels import int8_matmul, tree_attention
+    from gpu_kernels import int8_matmul, tree_attention
     kw, elem = launch.kwargs, launch.args[0].dtype.itemsize
     if launch.kernel == "_tree_attention_kernel":
         return tree_attention.shared_bytes(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_D"], kw["num_stages"], elem)
@@ -211,7 +211,7 @@ def report() -> dict:
     """What the tests check, as JSON: each target's launches compiled; the int8 kernel's former
     constants for 65-128 bf16 rows on sm_80 and sm_86; the kernels with a float argument compiled
     for sm_90 with it typed fp32 and fp64."""
-    from kernels import int8_matmul, tree_attention
+    from gpu_kernels import int8_matmul, tree_attention
     limits = tree_attention.SHARED_MEMORY_PER_BLOCK
     rows, results = [], {}
     for name, capability in TARGETS.items():

@@ -1,4 +1,4 @@
-"""kernels/tree_attention.py: the fused Triton kernel against its PyTorch reference (SDPA over the dense
+"""gpu_kernels/tree_attention.py: the fused Triton kernel against its PyTorch reference (SDPA over the dense
 mask), and the speculative round with the kernel against the SDPA path.
 
 Without a GPU the kernel runs in triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
@@ -20,7 +20,7 @@ import speculative
 from attention import use_attention
 from compiling import compile_round
 from conftest import mirrored_pair, tiny_target
-from kernels import tree_attention
+from gpu_kernels import tree_attention
 from trees import mc_sim_7b_63, static_tree, tree_structure
 
 DEVICES = [

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.tree_attention import shared_memory_limit  # the device's per-block limit (and the table by GPU)
+from gpu_kernels.tree_attention import shared_memory_limit  # the device's per-block limit (and the table by GPU)
 
 # As in tree_attention.py: Triton's interpreter (TRITON_INTERPRET=1 when this module is imported)
 # runs the kernel on CPU tensors, as the tests do; otherwise it needs CUDA tensors.
