@@ -338,6 +338,8 @@ def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: b
         modes = itertools.cycle(("round", "plain")) if warm_up and adaptive else None
         n = min(max_new_tokens, WARM_UP_TOKENS) if warm_up else max_new_tokens
         ids, per_round = speculative_generate(spec, prompt, n, callback=callback, adaptive=adaptive, force_modes=modes)
+        if modes is not None and spec.draft is not None:
+            spec.flush()  # a plain burst flushes only when short of room, which a short warm-up may never be
         return ids[0], Forwards(per_round[0], spec.plain_steps[0])
     return decode
 
