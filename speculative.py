@@ -353,7 +353,9 @@ class Speculator(nn.Module):
 # decodes with whichever is faster now. In a plain stretch it probes with a round now and then, and
 # at once when prompt lookup sees a long match at the text's end (the text has started to repeat).
 # The decisions are the host's, between graphs that are each compiled once: no recompilation.
-ADAPT_DECAY = 0.5        # weight of the newest observation in a running estimate
+# The estimates move slowly: one round's tokens vary widely, and each dip below the break-even
+# costs a plain stretch (benchmarks/RESULTS.md, "Adaptive decoding").
+ADAPT_DECAY = 0.1        # weight of the newest observation in a running estimate
 PLAIN_BURST = 8          # plain steps between two looks at the state (stop, lookup, probe)
 PROBE_EVERY = 32         # plain steps before a probe round
 LOOKUP_TRIGGER = 3       # a lookup match of this many tokens ends a plain stretch
