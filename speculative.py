@@ -348,13 +348,11 @@ class Speculator(nn.Module):
         return lookup_continuation(self.history, self.prefix_len + 1, 1, self.lookup_ngram)[2]
 
 
-# Adaptive decoding. A tree pays only while the text is predictable: the driver keeps running
-# estimates of what a round costs and emits on this answer, and of what a plain step costs, and
-# decodes with whichever is faster now. In a plain stretch it probes with a round now and then, and
-# at once when prompt lookup sees a long match at the text's end (the text has started to repeat).
-# The decisions are the host's, between graphs that are each compiled once: no recompilation.
-# The estimates move slowly: one round's tokens vary widely, and each dip below the break-even
-# costs a plain stretch (benchmarks/RESULTS.md, "Adaptive decoding").
+# Adaptive decoding. A tree pays only while the text is predictable: the driver keeps slow running
+# estimates (one round's tokens vary widely) of what a round costs and emits on this answer, and of
+# what a plain step costs, and decodes with whichever is faster now. In a plain stretch it probes with
+# a round now and then, and at once when prompt lookup sees a long match at the text's end. The
+# decisions are the host's, between graphs compiled once each (benchmarks/RESULTS.md, "Adaptive decoding").
 ADAPT_DECAY = 0.1        # weight of the newest observation in a running estimate
 PLAIN_BURST = 8          # plain steps between two looks at the state (stop, lookup, probe)
 PROBE_EVERY = 32         # plain steps before a probe round
