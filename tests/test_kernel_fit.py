@@ -1,6 +1,6 @@
 """The Triton kernels of gpu_kernels/ fit the GPUs we target: every launch configuration the host code
 chooses (tree_attention, int8_matmul, and batch-invariant mode's linear, norm and attention in
-kernels/invariant.py) for a representative set of shapes and dtypes compiles ahead of time for
+gpu_kernels/invariant.py) for a representative set of shapes and dtypes compiles ahead of time for
 sm_80, sm_86 and sm_90 with Triton's CUDA backend, within the GPU's per-block shared memory and
 within the bound the host code chose it by (shared_bytes). No GPU needed; skips where Triton
 cannot compile for NVIDIA GPUs. The launches compile to PTX: Triton fixes a block's shared memory
