@@ -39,8 +39,10 @@ from sampling import sample
 FORMAT = 2  # bump when what a package holds, or how it is called, changes
 ROOT = Path(__file__).resolve().parent
 # Buffers a graph only reads, which the package keeps as constants: stop ids, RoPE tables, the
-# draft's vocabulary, and the block the KV caches are views of (a graph reads and writes the views).
-CONSTANT_BUFFERS = ("stop_ids", "kv_storage", "rope_cos", "rope_sin", "vocab")
+# draft's vocabulary, a StaticTree's tensors, and the block the KV caches are views of (a graph
+# reads and writes the views).
+CONSTANT_BUFFERS = ("stop_ids", "kv_storage", "rope_cos", "rope_sin", "vocab",
+                    "parents", "ranks", "depth", "ancestors", "paths")
 # Host-side attributes of a Speculator that no graph reads (adaptive decoding's estimates).
 HOST_ATTRIBUTES = ("pace", "plain_steps")
 QUANTIZED = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)

@@ -27,6 +27,7 @@ budget, never on the data, so one speculative round compiles into a single graph
 from typing import List, NamedTuple
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 # EAGLE-1's static tree for 7B models: 25 draft nodes + root, depth 5. Each entry is a path of
@@ -69,25 +70,22 @@ def tree_structure(parents: Tensor, max_depth: int):
 
 
 # Static trees (EAGLE-1)
-class StaticTree(NamedTuple):
-    """A tree whose shape is fixed in advance; only the tokens are filled in each round.
-    Without a batch dimension: the same shape serves every row."""
-    parents: Tensor    # [T]
-    ranks: Tensor      # [T]: node i is the ranks[i]-th most probable child of its parent (root: 0)
-    depth: Tensor      # [T]
-    ancestors: Tensor  # [T, T]
-    paths: Tensor      # [T, max_depth + 1]
-    levels: List[range]  # node indices of each depth: levels[d] = nodes at depth d
-    n_ranks: int       # 1 + the largest rank: how many guesses per node the tree reads
+class StaticTree(nn.Module):
+    """A tree whose shape is fixed in advance; only the tokens are filled in each round. Without a
+    batch dimension: the same shape serves every row. Its tensors are buffers, so that .to(device)
+    moves them and a compiled round keeps them as constants (a package cannot build from tensors a
+    graph captures from plain attributes)."""
 
-    @property
-    def max_depth(self) -> int:
-        return len(self.levels) - 1
-
-    def to(self, device) -> "StaticTree":
-        """The same tree with its tensors on device: a round then never copies from the host."""
-        return self._replace(**{name: getattr(self, name).to(device)
-                                for name in ("parents", "ranks", "depth", "ancestors", "paths")})
+    def __init__(self, parents: Tensor, ranks: Tensor, depth: Tensor, ancestors: Tensor, paths: Tensor,
+                 levels: List[range]):
+        super().__init__()
+        # parents, depth [T]; ranks [T]: node i is the ranks[i]-th most probable child of its parent
+        # (root: 0); ancestors [T, T]; paths [T, max_depth + 1]
+        for name, t in dict(parents=parents, ranks=ranks, depth=depth, ancestors=ancestors, paths=paths).items():
+            self.register_buffer(name, t, persistent=False)
+        self.levels = levels  # node indices of each depth: levels[d] = nodes at depth d
+        self.max_depth = len(levels) - 1
+        self.n_ranks = int(ranks.max()) + 1  # how many guesses per node the tree reads
 
 
 def static_tree(choices: List[List[int]]) -> StaticTree:
@@ -110,7 +108,7 @@ def static_tree(choices: List[List[int]]) -> StaticTree:
     for d in range(1, max_depth + 1):
         at_d = [i for i, c in enumerate([()] + paths) if len(c) == d]
         levels.append(range(at_d[0], at_d[-1] + 1))
-    return StaticTree(parents_t, torch.tensor(ranks), depth[0], ancestors[0], node_paths[0], levels, max(ranks) + 1)
+    return StaticTree(parents_t, torch.tensor(ranks), depth[0], ancestors[0], node_paths[0], levels)
 
 
 # Dynamic trees (EAGLE-2)

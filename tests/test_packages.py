@@ -11,6 +11,7 @@ import packages
 from checkpoint import load_draft, load_model
 from quantize import WeightOnlyInt8Linear
 from speculative import Speculator, speculative_generate
+from trees import mc_sim_7b_63, static_tree
 
 PROMPTS = ([1, 5, 9, 14, 3], [1, 7, 7, 2, 9, 30, 31, 40, 41, 5, 6, 8, 100, 101, 3])
 
@@ -53,6 +54,23 @@ def test_packaged_step_and_round_decode_as_eager_and_a_later_run_loads_them(tiny
     monkeypatch.setattr(packages.Packaged, "build", no_build)
     model, spec = speculator(checkpoint)  # a later run: the same checkpoint loaded again
     assert decode_all(model, spec) == [p for p in plain for _ in range(2)]
+
+
+@torch.no_grad()
+def test_a_packaged_round_over_a_static_tree_decodes_as_plain_decoding(tiny_checkpoint, tmp_path):
+    """EAGLE-1's static tree in a package: its tensors are constants the package keeps (tensors a
+    graph captured from a plain attribute made Inductor's freezing fail to build it)."""
+    checkpoint, _ = tiny_checkpoint
+    model = load_model(checkpoint, "cpu", torch.float32)
+    draft = load_draft(checkpoint.parent / "eagle", model.config, "cpu", torch.float32)
+    spec = Speculator(model, draft, static=static_tree(mc_sim_7b_63), stop_ids=[2])
+    ids = torch.tensor([PROMPTS[1]])
+    model.setup_caches(1, 64)
+    plain = gen.generate(model, ids, 20)[0]
+    packages.package_round(spec, tmp_path)
+    spec.setup(1, 64)
+    assert speculative_generate(spec, ids, 20)[0][0] == plain
+    assert [p.name.split("-")[0] for p in tmp_path.glob("*.so")] == ["round"]
 
 
 def test_the_key_changes_with_the_weights_tree_dtype_torch_and_settings(tiny_checkpoint, tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ def meta_target() -> Transformer:
 
 def held_tensors(spec: speculative.Speculator):
     """(name, tensor) for every tensor the Speculator holds: parameters and buffers of it, its
-    target and its draft, and tensors kept as plain attributes or inside tuples (the StaticTree)."""
+    target and its draft (a StaticTree's too), and tensors kept as plain attributes or inside tuples."""
     yield from spec.named_parameters()
     yield from spec.named_buffers()
     for module_name, module in spec.named_modules():
