@@ -1,12 +1,9 @@
 """Which attention kernel serves a mask on a device: every model.Attention calls its `attend`, and
-use_attention sets it for a whole model or draft.
-
-    sdpa              model.py's own: PyTorch's scaled_dot_product_attention over a dense mask
-    cpu_attention     on a CPU: the same attention in the forms that are fastest there (below)
-    tree_kernel_attention   on CUDA: a TreeMask goes to the fused Triton kernel of
-                      gpu_kernels/tree_attention.py, which reads the prefix without a mask
-
-invariant.py sets a kernel of its own for the batch-invariant mode.
+use_attention sets it for a whole model or draft: model.sdpa (PyTorch's scaled_dot_product_attention
+over a dense mask), cpu_attention (the same attention in the forms fastest on a CPU) or
+tree_kernel_attention (on CUDA, a TreeMask through the fused Triton kernel of
+gpu_kernels/tree_attention.py, which reads the prefix without a mask). invariant.py sets a kernel of
+its own for the batch-invariant mode.
 """
 import sys
 
@@ -22,10 +19,9 @@ try:  # the fused tree kernel needs Triton (Linux x86-64); without it every mask
 except (ImportError, AttributeError) as e:  # AttributeError: a Triton too old for what the kernel uses
     tree_attention, TREE_KERNEL_MISSING = None, f"{type(e).__name__}: {e}"
 
-# Eager bf16/fp16 attention on a CPU: up to this many scores (B * H * T * S) the matmul form is
-# the faster one (one-token steps over long caches, verifies); past it (a prefill of hundreds of
-# rows, a training batch) SDPA's flash kernel is, because the matmul form writes and rereads every
-# score in float32 (benchmarks/RESULTS.md).
+# Eager bf16/fp16 attention on a CPU: up to this many scores (B * H * T * S) the matmul form is the
+# faster one (steps, verifies); past it (a long prefill, a training batch) SDPA's flash kernel is, as
+# the matmul form writes and rereads every score in float32 (benchmarks/RESULTS.md).
 MATMUL_ATTENTION_MAX_SCORES = 2 ** 21
 
 
@@ -38,10 +34,9 @@ def use_attention(module: nn.Module, backend: str = "auto") -> str:
         raise ValueError(f"attention backend must be auto, sdpa or triton, got {backend!r}")
     device = next(module.parameters()).device
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "sdpa"
-        if backend == "triton" and tree_attention is None:
+        if device.type == "cuda" and tree_attention is None:
             print(f"attention: the triton kernel is unavailable ({TREE_KERNEL_MISSING}); using sdpa", file=sys.stderr)
-            backend = "sdpa"
+        backend = "triton" if device.type == "cuda" and tree_attention is not None else "sdpa"
     if backend == "triton" and tree_attention is None:
         raise ValueError(f"the triton attention backend needs triton (Linux x86-64 with CUDA): {TREE_KERNEL_MISSING}")
     kernel = tree_kernel_attention if backend == "triton" else cpu_attention if device.type == "cpu" else sdpa

@@ -43,9 +43,8 @@ CPU_INVARIANT = {"max_autotune_gemm_backends": "CPP", "emulate_precision_casts":
 INVARIANT_LOWERINGS = 2
 # Keep autotuning from printing each GEMM's candidates and timings (where this torch has the flags).
 CPU_QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-# What cpu_backend uses, so that a torch without one gets a clear message, not a compiler traceback.
-# (Not compile_fx, Inductor's entry point in every torch 2: importing it is slow, and a run that
-# loads its graphs from packages never needs it.)
+# What cpu_backend uses, so that a torch without one gets a clear message, not a compiler traceback
+# (not compile_fx, in every torch 2: importing it is slow, and a run from packages never needs it).
 CPU_COMPILE_NEEDS = (("torch._inductor.config", "freezing"), ("torch._inductor.config", "max_autotune_gemm_backends"),
                      ("torch._inductor.config", "fx_graph_cache"), ("torch.compiler.config", "cache_key_tag"),
                      ("torch.backends.mkldnn", "flags"))
@@ -56,10 +55,8 @@ def missing_cpu_compile_settings() -> list:
     missing = []
     for module, attribute in CPU_COMPILE_NEEDS:
         try:
-            found = hasattr(importlib.import_module(module), attribute)
-        except ImportError:
-            found = False
-        if not found:
+            getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError):
             missing.append(f"{module}.{attribute}")
     return missing
 
@@ -119,8 +116,7 @@ def set_tensor_parallel_flags():
 
 
 def batch_invariant(modules) -> bool:
-    """Whether any of the modules holds a target in batch-invariant mode (invariant.enable): the
-    target itself, or a Speculator around it."""
+    """Whether a target in batch-invariant mode (invariant.enable) is among the modules or in one (a Speculator)."""
     return any(getattr(m, "invariant_window", None) is not None for module in modules for m in module.modules())
 
 
@@ -141,9 +137,8 @@ def weights_digest(*modules: nn.Module) -> str:
 
 
 def render_templates_from_cache():
-    """Inductor turns the jinja2 source of its C++ GEMM template (and of the micro-kernels inside)
-    into a Template again at every render, several times for each GEMM of a graph (what that costs
-    a CPU compile with max-autotune: RESULTS.md, "Start-up"). The sources are constant strings, so
+    """Inductor turns the jinja2 source of its C++ GEMM templates into a Template again at every
+    render, several times per GEMM (RESULTS.md, "Start-up"); the sources are constant strings, so
     each is turned once per process. Where this torch has no such method, nothing changes."""
     from torch._inductor.codegen.common import KernelTemplate
     method = KernelTemplate.__dict__.get("_template_from_string")
@@ -151,22 +146,27 @@ def render_templates_from_cache():
         KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(method.__func__))
 
 
+def cpu_settings(modules) -> dict:
+    """CPU_INDUCTOR, CPU_QUIET where this torch has them, and CPU_INVARIANT in batch-invariant mode."""
+    settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
+    return dict(settings, **CPU_INVARIANT) if batch_invariant(modules) else settings
+
+
 def cpu_backend(*modules: nn.Module):
-    """A torch.compile backend for the modules' graphs on a CPU: Inductor with CPU_INDUCTOR (and
-    CPU_INVARIANT in the mode), its cache keyed by weights_digest, oneDNN off while compiling.
-    oneDNN is off because freezing's pre-packing would make oneDNN tensors, which cannot be pickled:
-    every process would recompile. The C++ templates pack their own weights into plain tensors. The
-    pass registers once per process, on the first frozen compile, so every one must come here."""
+    """A torch.compile backend for the modules' graphs on a CPU: Inductor with cpu_settings, its
+    cache keyed by weights_digest, oneDNN off while compiling: freezing's pre-packing would make
+    oneDNN tensors, which cannot be pickled, so every process would recompile (the C++ templates
+    pack their own weights into plain tensors). The pass registers once per process, on the first
+    frozen compile, so every one must come here."""
     from torch._inductor.compile_fx import compile_fx
     render_templates_from_cache()
     tag = weights_digest(*modules)
-    settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
+    settings = cpu_settings(modules)
     if batch_invariant(modules):
         missing = [k for k in CPU_INVARIANT if not hasattr(torch._inductor.config, k)]
         if missing:
             raise RuntimeError(f"batch-invariant compiling needs torch._inductor.config.{', '.join(missing)}, which "
                                f"torch {torch.__version__} lacks: upgrade torch or run without --compile")
-        settings.update(CPU_INVARIANT)
         lower_int8_rows_to_the_kernel()  # only a batch-invariant graph calls int8_rows
         lower_int4_rows_to_the_kernel()  # ... and int4_rows_cpu
         # the cache key does not cover these lowerings, so their version keys it too
@@ -183,19 +183,17 @@ def cpu_backend(*modules: nn.Module):
 
 
 def frozen_graph_guards(entries) -> list:
-    """The guards a frozen CPU graph keeps (guard_filter_fn): all but those on submodules' insides
-    other than their buffers. Dynamo checks thousands of such guards every call, but a frozen graph
-    holds its weights as constants, so a guard on a parameter could only recompile for a weight it no
-    longer reads. Kept: every buffer (KV caches, RoPE tables) and the modules' own attributes and hooks.
-    Not seen: a submodule replaced or hooked after compiling; compile after changing a model."""
+    """The guards a frozen CPU graph keeps (guard_filter_fn): all but those inside submodules other
+    than on their buffers. A frozen graph holds its weights as constants, so a guard on a parameter
+    (of thousands checked every call) could only recompile for a weight it no longer reads. Not seen:
+    a submodule replaced or hooked after compiling; compile after changing a model."""
     return ["._modules[" not in e.name or "._buffers[" in e.name for e in entries]
 
 
 def frozen(compiled):
     """compiled, called with freezing on: dynamo may trace at any call, and reads the flag then."""
     def call(*args, **kwargs):
-        # no_grad: freezing leaves a training graph alone (no templates: slower, and the
-        # batch-invariant mode, which allows the templates only, could not compile)
+        # no_grad: freezing leaves a training graph alone (no templates, which batch-invariant mode needs)
         with torch._inductor.config.patch(freezing=True), torch.no_grad():
             return compiled(*args, **kwargs)
     return call

@@ -1,10 +1,9 @@
 """oneDNN-packed linears for eager half-precision runs on a CPU, swapped in from outside the model.
 
 torch's eager bf16/fp16 matmul on a CPU reorders the weight into oneDNN's blocked layout on every
-call, which costs about as much as the product itself. PackedLinear reorders it once. Compiled
-runs keep plain nn.Linear: Inductor's freezing packs weights itself, and cannot trace these
-opaque ones. float32 keeps torch's own kernels: packing gains little there, and float32 runs are
-the reference that speculative output is checked against.
+call; PackedLinear reorders it once. Compiled runs keep nn.Linear: Inductor's freezing packs weights
+itself, and cannot trace these opaque ones. float32 keeps torch's own kernels: packing gains little
+there, and float32 runs are the reference that speculative output is checked against.
 """
 import torch
 import torch.nn as nn
@@ -26,8 +25,7 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(dtype: torch.dtype, device) -> bool:
-    """Whether PackedLinear serves this dtype on this device: half precision on a CPU whose oneDNN
-    supports it."""
+    """Whether PackedLinear serves this dtype on this device: half precision on a CPU whose oneDNN supports it."""
     if str(device) != "cpu" or dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
         return False
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
@@ -38,12 +36,11 @@ def pack_linears(module: nn.Module) -> int:
     """Replace every plain nn.Linear of module (a Transformer or a draft) by a PackedLinear, in place,
     where can_pack_linears says it serves; returns how many. A tied LM head is packed as its own
     copy (the embedding keeps the plain table). Quantized layers are left alone."""
-    swapped = 0
-    for name, m in list(module.named_modules()):
-        if type(m) is nn.Linear and can_pack_linears(m.weight.dtype, m.weight.device):
-            module.set_submodule(name, PackedLinear(m))
-            swapped += 1
-    return swapped
+    linears = [(name, m) for name, m in module.named_modules()
+               if type(m) is nn.Linear and can_pack_linears(m.weight.dtype, m.weight.device)]
+    for name, m in linears:
+        module.set_submodule(name, PackedLinear(m))
+    return len(linears)
 
 
 def packed_bytes(module: nn.Module) -> int:

@@ -1,15 +1,8 @@
-"""The defaults of a run, in one table, keyed on what a library reports about the machine.
-
-A row holds for a device, whether the run is compiled, and whether the CPU has AMX tiles
-(torch.cpu._is_amx_tile_supported); each names the section of benchmarks/RESULTS.md whose
-measurements chose it. Where no reported capability separates machines that measured apart, the
-row takes the default that is the same on every CPU of its kind (bfloat16 is the compiled CPU
-dtype everywhere, though float32 measured faster on one CPU generation: RESULTS.md, "CPU dtype").
-
-    tree        (top_k, depth, tokens) of eagle2's dynamic tree (eagle3 on CUDA: depth 8, as in its
-                paper), or "auto": measured on this machine (autoshape.py)
-    lookup      prompt lookup's guesses added to every tree (--speculate lookup: LOOKUP_ALONE)
-    invariant   batch-invariant mode: on where it costs at most 10 % of a step and of a round
+"""The defaults of a run, in one table, keyed on what a library reports about the machine: the
+device, whether the run is compiled, and whether the CPU has AMX tiles. Where no reported capability
+separates machines that measured apart, a row takes the default that is the same on every CPU of its
+kind (bfloat16 is the compiled CPU dtype everywhere, though float32 measured faster on one CPU
+generation: benchmarks/RESULTS.md, "CPU dtype").
 """
 from typing import NamedTuple, Optional
 
@@ -21,12 +14,12 @@ from quantize import INDUCTOR_INT4_ROWS_INVARIANT, INDUCTOR_INT8_ROWS_INVARIANT
 class Row(NamedTuple):
     device: str
     compiled: Optional[bool]  # None: either
-    amx: Optional[bool]       # None: either
+    amx: Optional[bool]       # torch.cpu._is_amx_tile_supported(); None: either
     dtype: str
-    tree: object
-    lookup: int
-    invariant: bool
-    why: str                  # the sections of benchmarks/RESULTS.md behind the row
+    tree: object              # (top_k, depth, tokens) of eagle2's dynamic tree, or "auto" (autoshape.py measures)
+    lookup: int               # prompt lookup's guesses added to every tree
+    invariant: bool           # batch-invariant mode: on where it costs at most 10 % of a step and of a round
+    why: str                  # the sections of benchmarks/RESULTS.md whose measurements chose the row
 
 
 TABLE = [
@@ -60,9 +53,7 @@ def row(device: str, compiled: bool) -> Row:
 
 def tree(r: Row, speculate: str):
     """The row's tree for --speculate speculate (eagle3 deepens the GPU tree, as its paper does)."""
-    if speculate == "eagle3" and r.tree == (10, 6, 60):
-        return (10, EAGLE3_DEPTH, 60)
-    return r.tree
+    return (10, EAGLE3_DEPTH, 60) if speculate == "eagle3" and r.tree == (10, 6, 60) else r.tree
 
 
 def lookup(r: Row, speculate: str) -> int:

@@ -1,19 +1,16 @@
 """Compile once: the compiled CPU graphs as AOTInductor packages on disk, which a later run loads in
-seconds instead of tracing them again.
+seconds instead of tracing them again, as torch.compile does in every process.
 
-torch.compile traces a graph anew in every process, even when Inductor's disk cache holds its
-compiled code: on a CPU that is about a minute for a round. A package
-(torch._inductor.aoti_compile_and_package) holds the compiled code and its frozen weights in one
-shared library, which is kept on disk unpacked and loaded without tracing (aoti_load_package would
-unpack the whole archive, weights included, at every load: most of a later run's start-up). Each
-package is keyed by everything its graph depends on: this project's source, torch's version, the
-Inductor settings (and TORCHINDUCTOR_* variables), the weights, the modules' configuration (dtype,
-tree, batch-invariant mode) and the shapes of its inputs; a key with no package builds one
-(minutes, once).
+A package (torch._inductor.aoti_compile_and_package) holds the compiled code and its frozen weights
+in one shared library, kept on disk unpacked (aoti_load_package would unpack the whole archive at
+every load). Each is keyed by everything its graph depends on: this project's source, torch's
+version, the Inductor settings (and TORCHINDUCTOR_* variables), the weights, the modules'
+configuration (dtype, tree, batch-invariant mode) and the shapes of its inputs; a key with no
+package builds one (minutes, once).
 
 A graph's mutable state (KV caches, a Speculator's buffers) goes in as inputs that the package
-updates in place, so the caller's tensors stay the state. As module buffers instead, torch.export
-refuses the KV caches (views of one block), and a package bound to them computed wrong trees.
+updates in place, so the caller's tensors stay the state (as module buffers, torch.export refuses
+the KV caches, views of one block, and a package bound to them computed wrong trees).
 """
 import functools
 import hashlib
@@ -32,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 import compiling
-from compiling import batch_invariant, render_templates_from_cache, weights_digest
+from compiling import render_templates_from_cache, weights_digest
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Experts, WeightOnlyInt8Linear
 from sampling import sample
 
@@ -57,15 +54,9 @@ def usable(device: str, temperature: float, *modules: nn.Module) -> bool:
 
 
 def settings(*modules: nn.Module) -> dict:
-    """compiling.cpu_backend's Inductor settings, less those a package has no use for (its
-    wrapper is C++ anyway, and it is its own cache)."""
-    quiet = {k: v for k, v in compiling.CPU_QUIET.items() if hasattr(torch._inductor.config, k)}
-    s = dict(compiling.CPU_INDUCTOR, **quiet)
-    if batch_invariant(modules):
-        s.update(compiling.CPU_INVARIANT)
-    for key in ("cpp_wrapper", "fx_graph_cache"):
-        s.pop(key)
-    return s
+    """compiling.cpu_settings less those a package has no use for (its wrapper is C++ anyway, and
+    it is its own cache)."""
+    return {k: v for k, v in compiling.cpu_settings(modules).items() if k not in ("cpp_wrapper", "fx_graph_cache")}
 
 
 class Call(nn.Module):
@@ -86,15 +77,11 @@ class Bound(nn.Module):
         super().__init__()
         self.call, self.names, self.paths = Call(fn, module), [], []
 
-    def resolve(self):
-        """The state's names, read once the caches and buffers exist (after setup); each is looked
-        up again at every call, as setup() replaces the tensors and the caches' modules."""
-        self.names = [n for n, _ in self.call.named_buffers() if n.rsplit(".", 1)[-1] not in CONSTANT_BUFFERS]
-        self.paths = [n.split(".") for n in self.names]
-
     def state(self) -> list:
-        if not self.names:
-            self.resolve()
+        """The state tensors, each looked up at every call: setup() replaces them and the caches' modules."""
+        if not self.names:  # read once the caches and buffers exist (after setup)
+            self.names = [n for n, _ in self.call.named_buffers() if n.rsplit(".", 1)[-1] not in CONSTANT_BUFFERS]
+            self.paths = [n.split(".") for n in self.names]
         root = self.call  # (a submodule: nn.Module.__getattr__, slow, so once)
         return [buffer(root, path) for path in self.paths]
 
@@ -121,16 +108,14 @@ class Packaged:
     def __call__(self, *args):
         state = self.bound.state()
         shapes = tuple(tuple(t.shape) for t in (*args, *state))
-        runner = self.runners.get(shapes)
-        if runner is None:
-            runner = self.runners[shapes] = self.load_or_build(args, state)
-        return runner(*args, *state)
+        if shapes not in self.runners:
+            self.runners[shapes] = self.load_or_build(args, state)
+        return self.runners[shapes](*args, *state)
 
     def key_parts(self, args, state) -> dict:
         module = self.bound.call.inner
-        fn = self.bound.call.fn
         return {"format": FORMAT, "torch": torch.__version__, "source": source_digest(),
-                "function": fn.__qualname__,  # not its module's name, which is __main__ in a script
+                "function": self.bound.call.fn.__qualname__,  # not its module's name, which is __main__ in a script
                 "settings": repr(sorted(settings(module).items())),
                 "environment": repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))),
                 "weights": weights_digest(module), "configuration": configuration_digest(module),
@@ -159,8 +144,7 @@ class Packaged:
         # Once eagerly on copies of the state: probes that cache their answers (invariant.py's) run
         # now, on real tensors; tracing then reads their answers. The tracing gets copies too.
         self.bound(*(t.clone() for t in (*args, *state)))
-        example = tuple(t.clone() for t in (*args, *state))
-        exported = torch.export.export(self.bound.eval(), example, strict=False)
+        exported = torch.export.export(self.bound.eval(), tuple(t.clone() for t in (*args, *state)), strict=False)
         hidden = list(exported.graph_signature.buffers_to_mutate.values())
         if hidden:  # the package would update its own copy, and the caller's state would go stale
             raise RuntimeError(f"{self.name} writes buffers it keeps as constants: {', '.join(hidden)} "
@@ -168,19 +152,22 @@ class Packaged:
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.partial{os.getpid()}.pt2")  # no half-written library at path
         render_templates_from_cache()
-        with warnings.catch_warnings():  # as compiling.cpu_backend: the flags warn as they are entered and left
-            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-            with torch.backends.mkldnn.flags(enabled=False):
-                torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                         inductor_configs=settings(self.bound.call.inner))
-        with zipfile.ZipFile(partial) as archive:  # the package's one shared library: code and weights
-            libraries = [n for n in archive.namelist() if n.endswith(".so")]
-            if len(libraries) != 1:
-                raise RuntimeError(f"{partial} holds {len(libraries)} shared libraries, not one")
-            with archive.open(libraries[0]) as src, open(partial.with_suffix(".so"), "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 24)
-        partial.unlink()
-        os.replace(partial.with_suffix(".so"), path)
+        try:
+            with warnings.catch_warnings():  # as compiling.cpu_backend: the flags warn as they are entered
+                warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+                with torch.backends.mkldnn.flags(enabled=False):
+                    torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
+                                                             inductor_configs=settings(self.bound.call.inner))
+            with zipfile.ZipFile(partial) as archive:  # the package's one shared library: code and weights
+                libraries = [n for n in archive.namelist() if n.endswith(".so")]
+                if len(libraries) != 1:
+                    raise RuntimeError(f"{partial} holds {len(libraries)} shared libraries, not one")
+                with archive.open(libraries[0]) as src, open(partial.with_suffix(".so"), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 24)
+            os.replace(partial.with_suffix(".so"), path)
+        finally:  # a failed or interrupted build leaves no partial files
+            partial.unlink(missing_ok=True)
+            partial.with_suffix(".so").unlink(missing_ok=True)
 
 
 def load(path: Path):

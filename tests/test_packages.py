@@ -2,6 +2,8 @@
 One test builds real packages (tiny model, no autotuning); the others check the key and the file
 handling around a build."""
 import os
+import shutil
+import zipfile
 
 import pytest
 import torch
@@ -130,6 +132,34 @@ def test_a_damaged_package_is_built_again_and_a_new_key_says_why(tmp_path, capsy
     assert p.load_or_build((), []) == "loaded" and len(built) == 3 and built[2] != built[0]
     assert "the last one was built for another weights" in capsys.readouterr().err
     assert not [f for f in os.listdir(tmp_path) if "partial" in f]
+
+
+def double(module, x):
+    return module(x) * 2
+
+
+@pytest.mark.parametrize("failure", ["compile", "interrupt"])
+def test_a_failed_or_interrupted_build_leaves_no_partial_files(tmp_path, monkeypatch, failure):
+    """A build that raises (the compiler fails) or is interrupted (while the library is copied out
+    of the package) removes its partial .pt2 and .so files, leaves no package or record, and the
+    error reaches the caller."""
+    def fake_compile(exported, package_path, inductor_configs):
+        with zipfile.ZipFile(package_path, "w") as archive:
+            archive.writestr("data/model.so", b"library")
+        if failure == "compile":
+            raise RuntimeError("the compiler failed")
+
+    def interrupted_copy(src, dst, length):
+        dst.write(b"half a library")
+        raise KeyboardInterrupt
+    monkeypatch.setattr("torch._inductor.aoti_compile_and_package", fake_compile)
+    monkeypatch.setattr(shutil, "copyfileobj", interrupted_copy)
+    folder = tmp_path / "compiled"
+    step = packages.Packaged(double, torch.nn.Linear(2, 2), "step", folder)
+    with pytest.raises(RuntimeError, match="the compiler failed") if failure == "compile" else \
+            pytest.raises(KeyboardInterrupt):
+        step(torch.ones(1, 2))
+    assert folder.is_dir() and list(folder.iterdir()) == []
 
 
 def test_packages_are_used_for_greedy_unquantized_cpu_runs_only(tiny_checkpoint):
