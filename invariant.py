@@ -158,6 +158,7 @@ def check_eager_tree(model: nn.Module, nodes: int):
 
 
 @functools.lru_cache(maxsize=None)
+@torch.no_grad()
 def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = EAGER_ROWS_PROBED, *,
                        packed: bool = False, threads: int) -> int:
     """The largest m <= most such that calls of 1 .. m rows give every row the bits it gets alone, each
@@ -167,16 +168,14 @@ def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, 
         return most
     g = torch.Generator().manual_seed(0)
     linear = torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
+    linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
     if packed:
         linear = PackedLinear(linear)
     x = torch.randn(max(EAGER_ROWS_PROBED, -(-65536 // out_features)), in_features, generator=g).to(dtype)
-    with torch.no_grad():
-        alone = torch.cat([linear(row) for row in x.split(1)])
-        for m in range(2, most + 1):
-            if not torch.equal(torch.cat([linear(rows) for rows in x.split(m)]), alone):
-                return m - 1
+    alone = torch.cat([linear(row) for row in x.split(1)])
+    for m in range(2, most + 1):
+        if not torch.equal(torch.cat([linear(rows) for rows in x.split(m)]), alone):
+            return m - 1
     return most
 
 
@@ -224,6 +223,7 @@ def flash_rows(dtype: torch.dtype, head_dim: int, keys: int, rows: int,
 
 
 @functools.lru_cache(maxsize=None)
+@torch.no_grad()
 def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, bias_dtype: torch.dtype,
                       threads: int) -> int:
     """The fewest rows >= rows for which ATen's CPU flash kernel over `keys` keys computes every row
@@ -237,23 +237,23 @@ def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, b
     def call(q, k, v, bias):
         return op(q, k, v, attn_mask=bias, scale=head_dim ** -0.5)[:2]
 
-    with torch.no_grad():
-        for m in range(rows, rows + 2 * FLASH_BLOCK):
-            n = -(-m // FLASH_BLOCK) * FLASH_BLOCK
-            good = True
-            for _ in range(max(2, -(-2048 // (heads * m)))):
-                q = torch.randn(1, heads, n, head_dim, generator=g).to(dtype)
-                k, v = (torch.randn(1, heads, keys, head_dim, generator=g).to(dtype) for _ in range(2))
-                ends = torch.randint(1, keys + 1, (n, 1), generator=g)  # each row sees its first `end` keys
-                bias = torch.zeros(1, 1, n, keys, dtype=bias_dtype).masked_fill(torch.arange(keys) >= ends, float("-inf"))
-                out, lse = call(q[:, :, :m], k, v, bias[:, :, :m])
-                for b in range(0, m, FLASH_BLOCK):
-                    block = torch.arange(b, b + FLASH_BLOCK).flip(0)
-                    ref_out, ref_lse = (t.flip(2) for t in call(q[:, :, block], k, v, bias[:, :, block]))
-                    r = min(FLASH_BLOCK, m - b)
-                    good &= torch.equal(out[:, :, b:b + r], ref_out[:, :, :r]) and torch.equal(lse[:, :, b:b + r], ref_lse[:, :, :r])
-            if good:
-                return m
+    for m in range(rows, rows + 2 * FLASH_BLOCK):
+        n = -(-m // FLASH_BLOCK) * FLASH_BLOCK
+        good = True
+        for _ in range(max(2, -(-2048 // (heads * m)))):
+            q = torch.randn(1, heads, n, head_dim, generator=g).to(dtype)
+            k, v = (torch.randn(1, heads, keys, head_dim, generator=g).to(dtype) for _ in range(2))
+            ends = torch.randint(1, keys + 1, (n, 1), generator=g)  # each row sees its first `end` keys
+            bias = torch.zeros(1, 1, n, keys, dtype=bias_dtype).masked_fill(torch.arange(keys) >= ends, float("-inf"))
+            out, lse = call(q[:, :, :m], k, v, bias[:, :, :m])
+            for b in range(0, m, FLASH_BLOCK):
+                block = torch.arange(b, b + FLASH_BLOCK).flip(0)
+                ref_out, ref_lse = (t.flip(2) for t in call(q[:, :, block], k, v, bias[:, :, block]))
+                r = min(FLASH_BLOCK, m - b)
+                good &= torch.equal(out[:, :, b:b + r], ref_out[:, :, :r])
+                good &= torch.equal(lse[:, :, b:b + r], ref_lse[:, :, :r])
+        if good:
+            return m
     raise RuntimeError(f"batch-invariant attention: ATen's CPU flash-attention kernel rounds {dtype} rows of head "
                        f"dim {head_dim} over {keys} keys apart for every row count from {rows} to "
                        f"{rows + 2 * FLASH_BLOCK - 1} in this torch build: run without --batch_invariant")

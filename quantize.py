@@ -4,10 +4,9 @@
     python scripts/quantize_checkpoint.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
     python scripts/quantize_checkpoint.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
 
-write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming; drafts likewise). The
-loader reads the mode from the file name, checks it against the contents and swaps the layers
-(prepare_for_loading). Every nn.Linear is replaced, a tied LM head gets its own quantized copy;
-embeddings, norms and biases stay in float.
+write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming; drafts likewise). The loader
+reads the mode from the file name, checks it against the contents and swaps the layers (prepare_for_loading).
+Every nn.Linear is replaced, a tied LM head gets its own quantized copy; embeddings, norms and biases stay float.
 
     int8  symmetric, one scale per output channel: W ~ q * s, q in [-127, 127].
     int4  asymmetric, one scale and zero per group of `groupsize` input columns:
@@ -62,13 +61,12 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
     return q.float() * scales[..., None].float()
 
 
-# Batch-invariant mode compiled on a CPU needs each row of a layer to come out the same however many
-# rows come together. For the frozen weights they pack, Inductor's C++ int8 template (AVX2/AVX-512)
-# and int4 template (AVX-512; bf16, groups of 32-128, outputs a multiple of 64) accumulate each output
-# in float32 k after k, without splitting K: rows independent of the row count (tests/test_quantize.py).
-# With AMX their micro-kernels add pairs of products and differ by row count. Elsewhere, and for shapes
-# the int4 template lacks (with "CPP" only, compiling.CPU_INVARIANT, they would not compile), layers
-# keep torch's own row-count invariant CPU kernel as an op Inductor cannot lower (int8_rows,
+# Batch-invariant mode compiled on a CPU needs each row of a layer to come out the same however many rows
+# come together. Inductor's C++ int8 template (AVX2/AVX-512) and int4 template (AVX-512; bf16, groups of
+# 32-128, outputs a multiple of 64) accumulate each output in float32 k after k: rows independent of the
+# row count (tests/test_quantize.py); with AMX their micro-kernels add pairs of products and are not.
+# Elsewhere, and for shapes the int4 template lacks (which "CPP" alone, compiling.CPU_INVARIANT, cannot
+# compile), layers keep torch's row-invariant CPU kernel as an op Inductor cannot lower (int8_rows,
 # int4_rows_cpu). Costs: benchmarks/RESULTS.md, "Batch-invariant cost".
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
@@ -84,9 +82,7 @@ def int8_rows(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
 
 
-@int8_rows.register_fake
-def _(x, weight, scales):
-    return x.new_empty(x.size(0), weight.size(0))
+int8_rows.register_fake(lambda x, weight, scales: x.new_empty(x.size(0), weight.size(0)))
 
 
 @functools.cache
@@ -106,9 +102,8 @@ def int4_rows_cpu(x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: T
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, groupsize, scales_and_zeros)
 
 
-@int4_rows_cpu.register_fake
-def _(x, weight, groupsize, scales_and_zeros):
-    return x.new_empty(x.size(0), scales_and_zeros.size(1))
+int4_rows_cpu.register_fake(
+    lambda x, weight, groupsize, scales_and_zeros: x.new_empty(x.size(0), scales_and_zeros.size(1)))
 
 
 @functools.cache
@@ -149,9 +144,8 @@ class WeightOnlyInt8Linear(nn.Module):
         scales = self.scales.to(x.dtype)
         rows = x.numel() // self.in_features
         if x.is_cpu and x.dtype != torch.float32 and (rows <= CPU_INT8_KERNEL_ROWS or self.row_invariant):
-            # torch's CPU int8 kernel beats casting the weight for a few rows, not for many. Its rows
-            # do not depend on how many there are, so batch-invariant mode takes it for every row
-            # count: switching to the cast would round a verify's rows apart from a step's.
+            # torch's CPU int8 kernel beats casting the weight for a few rows, not for many. Its rows do not
+            # depend on how many there are, so batch-invariant mode takes it for every row count.
             opaque = self.row_invariant and torch.compiler.is_compiling() and not INDUCTOR_INT8_ROWS_INVARIANT
             matmul = int8_rows if opaque else torch.ops.aten._weight_int8pack_mm
             y = matmul(x.reshape(-1, self.in_features), self.weight, scales)
@@ -263,7 +257,7 @@ def int4_kernel(device: torch.device):
     """(pack, matmul, compute dtype) for this device's int4 kernel, or a clear error. pack(nibbles
     [N, K / 2]) -> packed weight; matmul(x [M, K], packed, groupsize, scales_and_zeros) -> [M, N].
     The packing signatures changed across torch versions (int32 [N, K] or uint8 nibbles)."""
-    aten, version = torch.ops.aten, tuple(int(v) for v in torch.__version__.split(".")[:2])
+    aten = torch.ops.aten
     if device.type == "cpu":
         if not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
             raise ValueError(f"int4 on CPU needs torch >= 2.6 (aten._weight_int4pack_mm_for_cpu); this is "
@@ -278,7 +272,7 @@ def int4_kernel(device: torch.device):
             raise ValueError(f"the int4 CUDA kernel needs compute capability >= 8.0 (Ampere or newer); "
                              f"{torch.cuda.get_device_name(device)} has "
                              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: use --mode int8")
-        uint8_input = version >= (2, 5)
+        uint8_input = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
         def pack(nibbles):
             K = nibbles.size(1) * 2
@@ -396,7 +390,8 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32) -> list:
     if mode == "int8":
         swapped = _swap_linears(model, lambda name, lin: WeightOnlyInt8Linear.from_linear(lin))
         stacks = _swap_linears(model, lambda name, e: WeightOnlyInt8Experts.from_experts(e), kind=Experts)
-        notes = [f"int8 (per-channel): {len(swapped)} linear layers" + (f", {len(stacks)} expert stacks" if stacks else "")]
+        notes = [f"int8 (per-channel): {len(swapped)} linear layers"
+                 + (f", {len(stacks)} expert stacks" if stacks else "")]
     elif mode == "int4":
         swapped = _swap_linears(model, lambda name, lin: WeightOnlyInt4Linear.from_linear(lin, groupsize))
         notes = [f"int4 (groupsize {groupsize}): {len(swapped)} linear layers"]
@@ -406,8 +401,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32) -> list:
             if m.padded:
                 key = f"[{m.out_features}, {m.in_features}] -> [{m.out_padded}, {m.in_padded}]"
                 padded.setdefault(key, []).append(name)
-        for key, names in padded.items():
-            notes.append(f"  padded {key} with zeros: {_summarize(names)}")
+        notes += [f"  padded {key} with zeros: {_summarize(names)}" for key, names in padded.items()]
     else:
         raise ValueError(f"unknown quantization mode {mode!r}: int8 or int4")
     floats = [n for n, p in model.named_parameters() if p.dim() >= 2]
@@ -430,8 +424,7 @@ def mode_from_path(path) -> tuple:
     name = Path(path).name
     if re.search(r"_int8\.", name):
         return "int8", None
-    m = re.search(r"_int4\.g(\d+)\.", name)
-    if m:
+    if m := re.search(r"_int4\.g(\d+)\.", name):
         return "int4", int(m.group(1))
     return None, None
 
@@ -449,26 +442,21 @@ def prepare_for_loading(model: nn.Module, state_dict: dict, path) -> nn.Module:
     file is an error rather than a silent mix-up. Follow the load with pack_int4."""
     found = set()
 
-    def make(name, lin):
+    def make(name, module):
         if f"{name}.scales" in state_dict:
             found.add(("int8", None))
-            return WeightOnlyInt8Linear(lin.in_features, lin.out_features, lin.bias is not None)
+            if isinstance(module, Experts):  # a mixture-of-experts' stacked weights [E, out, in], int8 only
+                num_experts, out_features, in_features = module.weight.shape
+                return WeightOnlyInt8Experts(num_experts, in_features, out_features)
+            return WeightOnlyInt8Linear(module.in_features, module.out_features, module.bias is not None)
         if f"{name}.scales_and_zeros" in state_dict:
             groupsize = 2 * state_dict[f"{name}.weight"].size(1) // state_dict[f"{name}.scales_and_zeros"].size(0)
             found.add(("int4", groupsize))
-            return WeightOnlyInt4Linear(lin.in_features, lin.out_features, groupsize, lin.bias is not None)
-        return None
-
-    def make_experts(name, experts):  # a mixture-of-experts' stacked weights, int8 only
-        if f"{name}.scales" in state_dict:
-            found.add(("int8", None))
-            E, out_features, in_features = experts.weight.shape
-            return WeightOnlyInt8Experts(E, in_features, out_features)
+            return WeightOnlyInt4Linear(module.in_features, module.out_features, groupsize, module.bias is not None)
         return None
 
     with torch.device("meta"):
-        _swap_linears(model, make)
-        _swap_linears(model, make_experts, kind=Experts)
+        _swap_linears(model, make, kind=(nn.Linear, Experts))
     named = mode_from_path(path)
     if found != ({named} if named[0] else set()):
         holds = ", ".join(_mode_name(*m) for m in sorted(found, key=str)) or "float"

@@ -10,16 +10,16 @@ identically on every rank. Quantized files are sliced as they are, so every N co
 weights one GPU would use.
 
 The ranks never diverge, so each decides alone: they start from the same command and prompt
-(check_same_command), an all-reduce leaves the same bits on every rank, the replicated work runs
-the same kernels on the same shapes (no kernel timing under torchrun: no_autotuning), and sampling
-draws from the same seed; the one choice made from timings, --tree auto, is rank 0's
-(from_rank0). docs/tensor_parallel.md has the plan, its limits and what it costs.
+(check_same_command), an all-reduce leaves the same bits on every rank, the replicated work runs the
+same kernels on the same shapes (init turns kernel timing off), and sampling draws from the same seed;
+the one choice made from timings, --tree auto, is rank 0's (from_rank0). docs/tensor_parallel.md has
+the plan, its limits and what it costs.
 """
 import atexit
 import os
 import sys
 from datetime import timedelta
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,15 +78,25 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
     atexit.register(finish)
     global _GROUP_NAME
     _GROUP_NAME = dist.group.WORLD.group_name
-    no_autotuning()  # before anything is compiled, by whichever command
+    # Before anything is compiled: Inductor must not choose kernels by timing them, since two ranks that
+    # time differently could pick kernels that round differently, and diverge. Dynamo restores
+    # use_deterministic_algorithms around every frame (an Inductor flag alone held for the first graph
+    # only), and it also gives the replicated eager ops their deterministic kernels.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import torch._inductor.config as inductor_config
+    inductor_flags(inductor_config)
     return Shard(rank, world_size), device
 
 
 def start(device: str, timeout_s: float, command: dict) -> tuple:
-    """init, check that every rank runs the same command, and leave the printing to rank 0."""
+    """init, check that every rank runs the same command, and leave the printing to rank 0. Errors
+    still print on every rank: torchrun stops the others at once, so the rank that failed first must
+    be the one that says why."""
     shard, device = init(device, timeout_s)
     check_same_command(command)
-    silence_other_ranks(shard)
+    if shard is not None and shard.rank > 0:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = _ErrorsOnly(sys.stderr)
     return shard, device
 
 
@@ -133,14 +143,6 @@ def check_same_on_all_ranks(what: str, value):
                          f"(different kernels, threads or inputs?)")
 
 
-def silence_other_ranks(shard: Optional[Shard]):
-    """Only rank 0 prints results. Errors still print on every rank: torchrun stops the others at
-    once, so the rank that failed first must be the one that says why."""
-    if shard is not None and shard.rank > 0:
-        sys.stdout = open(os.devnull, "w")
-        sys.stderr = _ErrorsOnly(sys.stderr)
-
-
 class _ErrorsOnly:
     """A stream that drops what is written to it until an error message or a traceback starts."""
 
@@ -166,20 +168,9 @@ def finish():
         dist.destroy_process_group()
 
 
-def no_autotuning():
-    """Keep Inductor from choosing kernels by timing them: two ranks that time differently could pick
-    kernels that round differently, and diverge. Set through torch.use_deterministic_algorithms, which
-    dynamo restores around every frame (an Inductor flag alone held for the first graph only) and which
-    also gives the replicated eager ops their deterministic kernels. Returns the Inductor flags set."""
-    import torch._inductor.config as inductor_config
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    return inductor_flags(inductor_config)
-
-
 def inductor_flags(config) -> list:
     """Set Inductor's config (or a test's stand-in) not to time kernels: deterministic mode where torch
-    has it, else every timing flag one by one; flags a version lacks are skipped."""
+    has it, else every timing flag one by one; flags a version lacks are skipped. Returns those set."""
     if hasattr(config, "deterministic"):
         config.deterministic = True
         return ["deterministic"]
@@ -205,15 +196,7 @@ def all_reduce_sum(x: Tensor) -> Tensor:
     return funcol.all_reduce(x, "sum", _GROUP_NAME)
 
 
-# The sharding plan.
 COLUMN, ROW = "column", "row"
-PLAN = {  # module name inside a layer -> how it is split
-    "attention.wqkv": COLUMN,
-    "attention.wo": ROW,
-    "feed_forward.w1": COLUMN,
-    "feed_forward.w3": COLUMN,
-    "feed_forward.w2": ROW,
-}
 # The dimension each tensor of a linear layer (float, int8, int4, expert stack) is split along, from the
 # end so that [E, out, in] splits like [out, in]. Row-parallel: input columns and int4 groups; int8
 # scales stay whole, and a bias is refused (it would be added on every rank).
@@ -225,16 +208,12 @@ SPLIT_DIM = {
 
 def check_divisible(config: ModelArgs, world_size: int):
     """A clear error when the model cannot be split evenly over world_size ranks."""
-    problems = []
-    if config.n_local_heads % world_size:
-        problems.append(f"its {config.n_local_heads} key/value heads")
-    if config.n_head % world_size:
-        problems.append(f"its {config.n_head} query heads")
-    if config.intermediate_size % world_size:
-        problems.append(f"its feed-forward size {config.intermediate_size}")
+    sizes = {f"its {config.n_local_heads} key/value heads": config.n_local_heads,
+             f"its {config.n_head} query heads": config.n_head,
+             f"its feed-forward size {config.intermediate_size}": config.intermediate_size}
+    problems = [what for what, size in sizes.items() if size % world_size]
     if problems:
-        divisors = [n for n in range(1, config.n_local_heads + 1) if config.n_local_heads % n == 0
-                    and config.n_head % n == 0 and config.intermediate_size % n == 0]
+        divisors = [n for n in range(1, config.n_local_heads + 1) if all(size % n == 0 for size in sizes.values())]
         fits = "cannot be split" if divisors == [1] else \
             f"can run on {', '.join(map(str, divisors[:-1]))} or {divisors[-1]} ranks"
         raise ValueError(f"tensor parallelism over {world_size} ranks splits every layer by heads: {world_size} "
@@ -243,37 +222,39 @@ def check_divisible(config: ModelArgs, world_size: int):
 
 def _qkv_sizes(config: ModelArgs) -> list:
     """Output rows of wqkv: queries, keys, values."""
-    return [config.n_head * config.head_dim, config.n_local_heads * config.head_dim, config.n_local_heads * config.head_dim]
+    kv = config.n_local_heads * config.head_dim
+    return [config.n_head * config.head_dim, kv, kv]
 
 
-def _full_sizes(config: ModelArgs, module: str) -> tuple:
-    """(out_features, in_features) of a layer's module before sharding."""
-    q = config.n_head * config.head_dim
-    return {"attention.wqkv": (sum(_qkv_sizes(config)), config.dim), "attention.wo": (config.dim, q),
-            "feed_forward.w1": (config.intermediate_size, config.dim),
-            "feed_forward.w3": (config.intermediate_size, config.dim),
-            "feed_forward.w2": (config.dim, config.intermediate_size)}[module]
+def _plan(config: ModelArgs) -> dict:
+    """The sharding plan: module name inside a layer -> (how it is split, out_features, in_features
+    before sharding)."""
+    dim, ff, q = config.dim, config.intermediate_size, config.n_head * config.head_dim
+    return {"attention.wqkv": (COLUMN, sum(_qkv_sizes(config)), dim), "attention.wo": (ROW, dim, q),
+            "feed_forward.w1": (COLUMN, ff, dim), "feed_forward.w3": (COLUMN, ff, dim),
+            "feed_forward.w2": (ROW, dim, ff)}
 
 
 def shard_state_dict(state_dict: dict, config: ModelArgs, shard: Shard) -> dict:
-    """This rank's part of a memory-mapped state dict: the PLAN's tensors sliced, the rest as is. Only
+    """This rank's part of a memory-mapped state dict: the plan's tensors sliced, the rest as is. Only
     non-contiguous slices are copied out; the others stay views of the mapping."""
     check_divisible(config, shard.world_size)
-    out = {}
+    plan, out = _plan(config), {}
     for key, tensor in state_dict.items():
         parts = key.split(".")  # layers.{i}.{module}.{attr}.{tensor}
         module, kind = ".".join(parts[2:-1]), parts[-1]
-        style = PLAN.get(module) if parts[0] == "layers" else None
-        if style is None:
+        if parts[0] != "layers" or module not in plan:
             out[key] = tensor
             continue
+        style, out_features, in_features = plan[module]
         if kind not in SPLIT_DIM[style]:
             if kind == "bias":
-                raise ValueError(f"{key}: a row-parallel layer with a bias cannot be sharded (it would be added N times)")
+                raise ValueError(f"{key}: a row-parallel layer with a bias cannot be sharded "
+                                 f"(it would be added N times)")
             out[key] = tensor  # int8 scales of a row-parallel layer
             continue
         if f"{'.'.join(parts[:-1])}.scales_and_zeros" in state_dict:
-            _check_int4(key, state_dict, config, module, style, shard.world_size)
+            _check_int4(key, state_dict, style, out_features, in_features, shard.world_size)
         dim = SPLIT_DIM[style][kind]
         if module == "attention.wqkv":  # the rank's queries, keys and values, each split by heads
             sizes = _qkv_sizes(config)
@@ -291,11 +272,10 @@ def _slice(t: Tensor, dim: int, shard: Shard) -> Tensor:
     return t.narrow(dim, shard.rank * size, size)
 
 
-def _check_int4(key: str, state_dict: dict, config: ModelArgs, module: str, style: str, world_size: int):
+def _check_int4(key: str, state_dict: dict, style: str, out_features: int, in_features: int, world_size: int):
     """int4 layers must be unpadded and split at group boundaries and the kernel's row multiple."""
     prefix = key.rsplit(".", 1)[0]
     weight, groups = state_dict[f"{prefix}.weight"], state_dict[f"{prefix}.scales_and_zeros"]
-    out_features, in_features = _full_sizes(config, module)
     groupsize = 2 * weight.size(-1) // groups.size(0)
     if weight.size(-2) != out_features or 2 * weight.size(-1) != in_features:
         raise ValueError(f"{prefix}: int4 layer [{out_features}, {in_features}] was padded to [{weight.size(-2)}, "
@@ -317,25 +297,22 @@ def shard_model(model: Transformer, shard: Shard) -> Transformer:
         raise ValueError("shard_model reshapes a model before its weights are loaded: build it on the meta device")
     c, N = model.config, shard.world_size
     check_divisible(c, N)
-    local = c.intermediate_size // N
     with torch.device("meta"):
         for layer in model.layers:
-            attn, ff = layer.attention, layer.feed_forward
+            attn = layer.attention
             attn.n_head, attn.n_local_heads = c.n_head // N, c.n_local_heads // N  # this rank's heads
-            attn.wqkv = nn.Linear(c.dim, sum(_qkv_sizes(c)) // N, bias=c.qkv_bias)
-            attn.wo = nn.Linear(c.n_head * c.head_dim // N, c.dim, bias=False)
-            if c.num_experts:
-                ff.w1, ff.w3, ff.w2 = Experts(c.num_experts, c.dim, local), Experts(c.num_experts, c.dim, local), \
-                    Experts(c.num_experts, local, c.dim)
-            else:
-                ff.w1, ff.w3 = nn.Linear(c.dim, local, bias=False), nn.Linear(c.dim, local, bias=False)
-                ff.w2 = nn.Linear(local, c.dim, bias=False)
+            for name, (style, out_features, in_features) in _plan(c).items():
+                if style == COLUMN:
+                    out_features //= N
+                else:
+                    in_features //= N
+                if c.num_experts and name.startswith("feed_forward."):
+                    new = Experts(c.num_experts, in_features, out_features)
+                else:
+                    new = nn.Linear(in_features, out_features, bias=c.qkv_bias and name == "attention.wqkv")
+                layer.set_submodule(name, new)
     set_all_reduces(model, True)
     return model
-
-
-def _all_reduce_output(module: nn.Module, args, output: Tensor) -> Tensor:
-    return all_reduce_sum(output)
 
 
 def set_all_reduces(model: Transformer, on: bool) -> int:
@@ -346,7 +323,7 @@ def set_all_reduces(model: Transformer, on: bool) -> int:
         for m in (layer.attention, layer.feed_forward):
             handle = getattr(m, "tp_hook", None)
             if on and handle is None:
-                m.tp_hook = m.register_forward_hook(_all_reduce_output)
+                m.tp_hook = m.register_forward_hook(lambda module, args, output: all_reduce_sum(output))
                 changed += 1
             elif not on and handle is not None:
                 handle.remove()
@@ -357,9 +334,5 @@ def set_all_reduces(model: Transformer, on: bool) -> int:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights this process holds (parameters and quantized buffers; a tied matrix once)."""
-    seen, total = set(), 0
-    for t in model.state_dict(keep_vars=True).values():
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+    tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
