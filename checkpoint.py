@@ -43,13 +43,6 @@ def read_state_dict(path) -> dict:
     return state_dict
 
 
-def read_json(path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path}: not valid JSON ({e})") from None
-
-
 def load_model(checkpoint_path, device, dtype, shard: Optional[tp.Shard] = None, attention: str = "auto") -> Transformer:
     """A float or quantized target file, its config from model_config.json beside it or the folder's
     name. dtype None keeps the file's dtype; shard: this rank's part only (every rank reads the file)."""
@@ -93,16 +86,14 @@ def save_draft(draft, folder, dtype: Optional[torch.dtype] = None) -> Path:
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
              for k, v in draft.state_dict().items()}
     save_file(state, str(folder / DRAFT_WEIGHTS))
-    (folder / DRAFT_CONFIG).write_text(json.dumps(draft_meta(draft), indent=1))
-    return folder
-
-
-def draft_meta(draft) -> dict:
-    """What draft_config.json records: enough to rebuild the module before loading its weights."""
+    # draft_config.json: enough to rebuild the module before loading its weights
     if isinstance(draft, Eagle3Draft):
-        return {"arch": "eagle3", "model": draft.config.to_dict(), "draft_vocab_size": draft.draft_vocab_size,
+        meta = {"arch": "eagle3", "model": draft.config.to_dict(), "draft_vocab_size": draft.draft_vocab_size,
                 "layer_ids": None if draft.layer_ids is None else list(draft.layer_ids)}
-    return {"arch": "eagle", "model": draft.config.to_dict(), "fc_bias": draft.fc_bias}
+    else:
+        meta = {"arch": "eagle", "model": draft.config.to_dict(), "fc_bias": draft.fc_bias}
+    (folder / DRAFT_CONFIG).write_text(json.dumps(meta, indent=1))
+    return folder
 
 
 def draft_files(path):
@@ -121,10 +112,10 @@ def load_draft(path, target_config: Optional[ModelArgs] = None, device="cpu", dt
     checked against the target's config (None: no check, as when quantizing a draft alone) and,
     where given, the arch the caller runs ("eagle": EAGLE-1/2, or "eagle3")."""
     folder, config_file, weights = draft_files(path)
-    meta = read_json(config_file)
     try:
+        meta = json.loads(config_file.read_text())
         config = ModelArgs(**meta["model"])
-    except (TypeError, KeyError, ValueError) as e:
+    except (TypeError, KeyError, ValueError) as e:  # ValueError: not JSON, or a field ModelArgs refuses
         raise ValueError(f"{config_file} is not a draft config: {e}") from None
     found = meta.get("arch", "eagle")
     if arch is not None and found != arch and found in ("eagle", "eagle3"):  # an unknown arch is refused below

@@ -37,8 +37,7 @@ def convert_hf(checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path
     config = json.loads((folder / "config.json").read_text())
     args = model_args_from_hf(config)
     torch_dtype = _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype"))
-    out = folder / "model.pth"
-    _refuse_to_overwrite([out, folder / CONFIG_FILE], force)
+    _refuse_to_overwrite([folder / "model.pth", folder / CONFIG_FILE], force)
 
     try:
         tokenizer = guess_tokenizer_meta(folder)
@@ -47,12 +46,8 @@ def convert_hf(checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path
         tokenizer = None
 
     state_dict = hf_to_model_state_dict(load_hf_weights(folder), args)
-    _cast(state_dict, torch_dtype)
-    source = {"format": "hf", "architecture": config["architectures"][0],
-              "dtype": _dtype_name(next(iter(state_dict.values())).dtype)}
-    _write_config(folder, args, tokenizer, source)
-    _save_last(state_dict, out)
-    return out
+    source = {"format": "hf", "architecture": config["architectures"][0]}
+    return _write_checkpoint(folder, args, state_dict, torch_dtype, tokenizer, source)
 
 
 def model_args_from_hf(config: dict) -> ModelArgs:
@@ -110,7 +105,7 @@ def _sliding_window(arch: str, config: dict):
 
 def load_hf_weights(folder: Path) -> dict:
     """All tensors of a save_pretrained folder: safetensors or .bin, whole or sharded."""
-    for stem, load in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
+    for stem in ("model.safetensors", "pytorch_model.bin"):
         index = folder / f"{stem}.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -119,33 +114,23 @@ def load_hf_weights(folder: Path) -> dict:
         else:
             continue
         weights = {}
-        for name in files:
-            if not (folder / name).is_file():
-                raise FileNotFoundError(f"{index.name} lists {name}, which is not in {folder}")
-            weights.update(load(folder / name))
+        for path in (folder / name for name in files):
+            if not path.is_file():
+                raise FileNotFoundError(f"{index.name} lists {path.name}, which is not in {folder}")
+            try:
+                weights.update(load_file(path) if path.suffix == ".safetensors"
+                               else torch.load(path, map_location="cpu", weights_only=True))
+            except Exception as e:  # SafetensorError, a truncated zip, an unpickling error, ...
+                raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
         return weights
     raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors, pytorch_model.bin "
                             f"or a sharded index of either")
 
 
-def _load_safetensors(path: Path) -> dict:
-    try:
-        return load_file(path)
-    except Exception as e:  # SafetensorError on a truncated or corrupt file
-        raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
-
-
-def _load_bin(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated zip, an unpickling error, ...
-        raise ValueError(f"cannot read {path} (truncated or corrupt?): {e}") from e
-
-
 # Hugging Face's per-layer names -> model.py's, both ways (q/k/v and Mixtral's experts: in the code).
 HF_LAYER_NAMES = {
-    "self_attn.o_proj.weight": "attention.wo.weight",
     "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
 HF_DENSE_MLP_NAMES = {  # dense models; Mixtral's feed-forward is _experts()
@@ -153,36 +138,58 @@ HF_DENSE_MLP_NAMES = {  # dense models; Mixtral's feed-forward is _experts()
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+# EAGLE heads' layer: the same but for the input norm (EAGLE-1/2 has none, EAGLE-3 two norms of its own).
+EAGLE_LAYER_NAMES = {hf: ours for hf, ours in {**HF_LAYER_NAMES, **HF_DENSE_MLP_NAMES}.items()
+                     if hf != "input_layernorm.weight"}
+EAGLE3_LAYER_NAMES = {**EAGLE_LAYER_NAMES, "input_layernorm.weight": "input_norm.weight",
+                      "hidden_norm.weight": "hidden_norm.weight"}
+
+
+def _taker(weights: dict, owner: str):
+    """weights.pop, or a ValueError that names the missing tensor."""
+
+    def take(name):
+        if name not in weights:
+            raise ValueError(f"{owner} lacks the tensor {name}")
+        return weights.pop(name)
+
+    return take
+
+
+def _refuse_leftovers(names, message: str):
+    """Tensors with no place are errors (a feature we lack), not dropped: a partly converted EAGLE head,
+    for one, would still decode losslessly, only slowly, and nobody would notice."""
+    names = sorted(names)
+    if names:
+        raise ValueError(f"{message}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+
+
+def _decoder_layer(take, hf: str, ours: str, names: dict, qkv_bias: bool) -> dict:
+    """One Hugging Face decoder layer's tensors (prefix hf) under model.py's names (prefix ours)."""
+    out = {ours + "attention.wqkv.weight": torch.cat([take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"])}
+    if qkv_bias:
+        out[ours + "attention.wqkv.bias"] = torch.cat([take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"])
+    out.update({ours + o: take(hf + h) for h, o in names.items()})
+    return out
 
 
 def hf_to_model_state_dict(weights: dict, args: ModelArgs) -> dict:
     """HF names -> model.py's (q/k/v into wqkv); empties `weights` so a large checkpoint is not held twice."""
-
-    def take(name):
-        if name not in weights:
-            raise ValueError(f"the checkpoint lacks the tensor {name}")
-        return weights.pop(name)
-
+    take = _taker(weights, "the checkpoint")
+    names = HF_LAYER_NAMES if args.num_experts else {**HF_LAYER_NAMES, **HF_DENSE_MLP_NAMES}
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight")}
     for i in range(args.n_layer):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        qkv = [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"]
-        out[ours + "attention.wqkv.weight"] = torch.cat(qkv)
-        if args.qkv_bias:
-            out[ours + "attention.wqkv.bias"] = torch.cat([take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"])
+        out.update(_decoder_layer(take, hf, ours, names, args.qkv_bias))
         if args.num_experts:
             out.update(_experts(take, weights, hf, ours + "feed_forward.", args.num_experts))
-        names = HF_LAYER_NAMES if args.num_experts else {**HF_LAYER_NAMES, **HF_DENSE_MLP_NAMES}
-        out.update({ours + o: take(hf + h) for h, o in names.items()})
     out["norm.weight"] = take("model.norm.weight")
     if args.tie_embeddings:
         weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy anyway
     else:
         out["output.weight"] = take("lm_head.weight")
-    left = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]  # old RoPE buffers
-    if left:
-        raise ValueError(f"the checkpoint has tensors model.py has no place for (an unsupported "
-                         f"feature?): {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
+    _refuse_leftovers([k for k in weights if not k.endswith("rotary_emb.inv_freq")],  # old RoPE buffers
+                      "the checkpoint has tensors model.py has no place for (an unsupported feature?)")
     return out
 
 
@@ -212,21 +219,14 @@ def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     """The inverse of hf_to_model_state_dict (tensors shared); a tied LM head is the embedding."""
     _require_dense(args)
     weights = dict(state_dict)  # emptied as it goes, to find what has no place in a transformers model
-
-    def take(name):
-        if name not in weights:
-            raise ValueError(f"the state dict lacks the tensor {name}")
-        return weights.pop(name)
-
+    take = _taker(weights, "the state dict")
     q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
     out = {"model.embed_tokens.weight": take("tok_embeddings.weight")}
     for i in range(args.n_layer):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for p, w in zip("qkv", take(ours + "attention.wqkv.weight").split([q, kv, kv])):
-            out[f"{hf}self_attn.{p}_proj.weight"] = w
-        if args.qkv_bias:
-            for p, b in zip("qkv", take(ours + "attention.wqkv.bias").split([q, kv, kv])):
-                out[f"{hf}self_attn.{p}_proj.bias"] = b
+        for suffix in ("weight", "bias") if args.qkv_bias else ("weight",):
+            for p, w in zip("qkv", take(f"{ours}attention.wqkv.{suffix}").split([q, kv, kv])):
+                out[f"{hf}self_attn.{p}_proj.{suffix}"] = w
         out.update({hf + h: take(ours + o) for h, o in {**HF_LAYER_NAMES, **HF_DENSE_MLP_NAMES}.items()})
     out["model.norm.weight"] = take("norm.weight")
     if args.tie_embeddings:
@@ -234,9 +234,9 @@ def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     else:
         out["lm_head.weight"] = take("output.weight")
-    if weights:  # int8/int4 scales, for one: transformers gets float weights only
-        raise ValueError(f"tensors with no place in a transformers model (a quantized checkpoint? convert a float "
-                         f"model.pth instead): {', '.join(sorted(weights)[:5])}{' ...' if len(weights) > 5 else ''}")
+    # int8/int4 scales, for one: transformers gets float weights only
+    _refuse_leftovers(weights, "tensors with no place in a transformers model (a quantized checkpoint? "
+                               "convert a float model.pth instead)")
     return out
 
 
@@ -286,43 +286,38 @@ GGUF_TO_HF = {
 def convert_gguf(gguf_file, checkpoint_dir, dtype: str = "auto", force: bool = False) -> Path:
     """model.pth, model_config.json and tokenizer.json in DIR from a GGUF file; "auto" is float32."""
     gguf_file, folder = Path(gguf_file), Path(checkpoint_dir)
-    reader = _read_gguf(gguf_file)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"no such file: {gguf_file}")
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+    except Exception as e:  # bad magic, a truncated header or tensor data, ...
+        raise ValueError(f"cannot read {gguf_file} as GGUF (truncated or corrupt?): {e}") from e
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors}
     args = model_args_from_gguf(metadata, tensors)
     torch_dtype = _torch_dtype(dtype, "float32")
-    out = folder / "model.pth"
-    _refuse_to_overwrite([out, folder / CONFIG_FILE, folder / "tokenizer.json"], force)
+    _refuse_to_overwrite([folder / "model.pth", folder / CONFIG_FILE, folder / "tokenizer.json"], force)
     tokenizer_json = gguf_tokenizer_json(metadata)  # fails early on an unsupported tokenizer
 
     permuted = metadata["general.architecture"] == "llama"  # llama.cpp permutes LLaMA q/k only
     weights = {}
     for name, t in tensors.items():
         w = _dequantize(t)
-        kind = name.split(".")[2] if name.startswith("blk.") else None
-        if permuted and kind in ("attn_q", "attn_k"):
-            w = unpermute_rope(w, args.n_head if kind == "attn_q" else args.n_local_heads)
-        weights[_hf_name(name)] = w
+        if name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".")
+            if permuted and kind in ("attn_q", "attn_k"):
+                w = unpermute_rope(w, args.n_head if kind == "attn_q" else args.n_local_heads)
+            weights[f"model.layers.{layer}.{GGUF_TO_HF.get(kind, kind)}.{suffix}"] = w
+        else:
+            weights[GGUF_TO_HF.get(name, name)] = w
     state_dict = hf_to_model_state_dict(weights, args)
-    _cast(state_dict, torch_dtype)
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(tokenizer_json)
     source = {"format": "gguf", "file": gguf_file.name, "architecture": metadata["general.architecture"],
-              "name": metadata.get("general.name"), "dtype": _dtype_name(torch_dtype),
+              "name": metadata.get("general.name"),
               "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values()))}
-    _write_config(folder, args, gguf_tokenizer_meta(metadata), source)
-    _save_last(state_dict, out)
-    return out
-
-
-def _read_gguf(path: Path):
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # bad magic, a truncated header or tensor data, ...
-        raise ValueError(f"cannot read {path} as GGUF (truncated or corrupt?): {e}") from e
+    return _write_checkpoint(folder, args, state_dict, torch_dtype, gguf_tokenizer_meta(metadata), source)
 
 
 def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
@@ -368,30 +363,17 @@ def _dequantize(t) -> torch.Tensor:
     return torch.tensor(w.reshape(tuple(reversed(t.shape.tolist()))))  # a copy: t.data maps the file
 
 
-def _hf_name(gguf_name: str) -> str:
-    if not gguf_name.startswith("blk."):
-        return GGUF_TO_HF.get(gguf_name, gguf_name)
-    _, layer, kind, suffix = gguf_name.split(".")
-    return f"model.layers.{layer}.{GGUF_TO_HF.get(kind, kind)}.{suffix}"
-
-
 def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's interleaved LLaMA q/k rows, back to HF's rotate-half layout (not for Qwen2)."""
     head_dim = w.shape[0] // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-# Published EAGLE-1/2 heads (EAGLE's repository): a one-layer LLaMA config.json, fc.weight [h, 2h] with
-# fc.bias (not LLaMA-3's), layers.0 without input_layernorm, often a copy of the target's embedding.
-EAGLE_TO_DRAFT = {
-    "layers.0.self_attn.o_proj.weight": "layer.attention.wo.weight",
-    "layers.0.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
-    "layers.0.mlp.up_proj.weight": "layer.feed_forward.w3.weight",
-    "layers.0.mlp.down_proj.weight": "layer.feed_forward.w2.weight",
-    "layers.0.post_attention_layernorm.weight": "layer.ffn_norm.weight",
-}
-
-
+# Published heads: a one-layer LLaMA config.json and, maybe, a copy of the target's embedding.
+# EAGLE-1/2 (EAGLE's repository): fc.weight [h, 2h] with fc.bias (not LLaMA-3's), layers.0 without
+# input_layernorm. EAGLE-3: draft_vocab_size in the config; fc.weight [h, 3h]; midlayer.* (q/k/v read
+# the normed embedding and feature side by side), norm and lm_head [draft_vocab, h]; d2t [draft_vocab]
+# (target id = i + d2t[i]) and t2d [vocab] (bool).
 def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
     """Converts the EAGLE-1/2 or EAGLE-3 head in DIR for load_draft; the draft uses the target's embedding."""
     folder = Path(eagle_dir)
@@ -401,68 +383,40 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
     config = json.loads((folder / "config.json").read_text())
     weights = load_hf_weights(folder)
     weights.pop("embed_tokens.weight", None)
-    if any(k.startswith("midlayer.") for k in weights) or "draft_vocab_size" in config:
-        return save_draft(eagle3_draft_from_reference(config, weights, folder), folder,
-                          _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype")))
-    if not any(k.startswith("layers.0.") for k in weights):
+    eagle3 = any(k.startswith("midlayer.") for k in weights) or "draft_vocab_size" in config
+    if not eagle3 and not any(k.startswith("layers.0.") for k in weights):
         raise ValueError(f"{folder} holds neither an EAGLE-1/2 head (layers.0.*) nor an EAGLE-3 head (midlayer.*): "
                          f"found {', '.join(sorted(weights)[:5]) or 'no tensors'}")
-    fc_bias = "fc.bias" in weights
+    kind, layer = ("EAGLE-3", "midlayer.") if eagle3 else ("EAGLE-1/2", "layers.0.")
+    if config.get("target_hidden_size", config.get("hidden_size")) != config.get("hidden_size"):
+        raise ValueError(f"{folder}: a head whose hidden size differs from its target's (target_hidden_size) is not "
+                         f"supported: this project's drafts use the target's embedding")
     args = model_args_from_hf({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
-                               "attention_bias": "layers.0.self_attn.q_proj.bias" in weights})
-    if "fc.weight" not in weights or weights["fc.weight"].shape != (args.dim, 2 * args.dim):
-        shape = tuple(weights["fc.weight"].shape) if "fc.weight" in weights else None
-        raise ValueError(f"{folder} is not an EAGLE-1/2 head: fc.weight should be [{args.dim}, {2 * args.dim}], "
-                         f"found {shape}")
-    state = {"fc.weight": weights.pop("fc.weight")}
-    if fc_bias:
-        state["fc.bias"] = weights.pop("fc.bias")
-    state.update(_take_head_tensors(weights, "layers.0.self_attn", EAGLE_TO_DRAFT, args.qkv_bias, folder, "EAGLE-1/2"))
+                               "attention_bias": f"{layer}self_attn.q_proj.bias" in weights})
+    fc, fc_in = weights.get("fc.weight"), (3 if eagle3 else 2) * args.dim
+    if fc is None or fc.shape != (args.dim, fc_in) or (eagle3 and "fc.bias" in weights):
+        raise ValueError(f"{folder} is not an {kind} head: fc.weight should be [{args.dim}, {fc_in}]"
+                         f"{' without a bias' if eagle3 else ''}, found {None if fc is None else tuple(fc.shape)}")
+
+    take = _taker(weights, f"the {kind} head in {folder}")
+    state = {name: take(name) for name in ("fc.weight", "fc.bias") if name in weights}
+    state.update(_decoder_layer(take, layer, "layer.", EAGLE3_LAYER_NAMES if eagle3 else EAGLE_LAYER_NAMES,
+                                args.qkv_bias))
+    if eagle3:
+        draft_vocab = int(config.get("draft_vocab_size", args.vocab_size))
+        state["vocab"] = eagle3_vocab(weights.pop("d2t", None), weights.pop("t2d", None), draft_vocab, args.vocab_size)
+        state.update({name: take(name) for name in ("norm.weight", "lm_head.weight")})
     with torch.device("meta"):
-        draft = EagleDraft(args, fc_bias=fc_bias)
-    _assign(draft, state, folder, "EAGLE-1/2")
-    return save_draft(draft, folder, _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype")))
-
-
-def _take_head_tensors(weights: dict, attention: str, renames: dict, qkv_bias: bool, folder, kind: str) -> dict:
-    """Pops a reference head's layer tensors into our names. Missing and leftover tensors are errors:
-    a partly converted head would still decode losslessly, only slowly, and nobody would notice."""
-    qkv = [f"{attention}.{p}_proj" for p in "qkv"]
-    state = {}
-    try:
-        state["layer.attention.wqkv.weight"] = torch.cat([weights.pop(n + ".weight") for n in qkv])
-        if qkv_bias:
-            state["layer.attention.wqkv.bias"] = torch.cat([weights.pop(n + ".bias") for n in qkv])
-        state.update({ours: weights.pop(theirs) for theirs, ours in renames.items()})
-    except KeyError as e:
-        raise ValueError(f"the {kind} head in {folder} lacks the tensor {e.args[0]}") from None
-    if weights:
-        raise ValueError(f"the {kind} head in {folder} has tensors an {kind} draft has no place for: "
-                         f"{', '.join(sorted(weights)[:5])}")
-    return state
-
-
-def _assign(draft, state: dict, folder, kind: str):
+        if eagle3:  # it fuses layers of the target, which the config does not name: load_draft derives them
+            draft = Eagle3Draft(args, draft_vocab, layer_ids=None)
+        else:
+            draft = EagleDraft(args, fc_bias="fc.bias" in state)
+    _refuse_leftovers(weights, f"the {kind} head in {folder} has tensors an {kind} draft has no place for")
     try:
         draft.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise ValueError(f"the {kind} head in {folder} does not match its config.json: {e}") from None
-
-
-# Published EAGLE-3 heads: a one-layer LLaMA config.json with draft_vocab_size; fc.weight [h, 3h];
-# midlayer.* (q/k/v read the normed embedding and feature side by side), norm and lm_head [draft_vocab, h];
-# d2t [draft_vocab] (target id = i + d2t[i]) and t2d [vocab] (bool); maybe a copy of the embedding.
-EAGLE3_TO_DRAFT = {
-    "midlayer.self_attn.o_proj.weight": "layer.attention.wo.weight",
-    "midlayer.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
-    "midlayer.mlp.up_proj.weight": "layer.feed_forward.w3.weight",
-    "midlayer.mlp.down_proj.weight": "layer.feed_forward.w2.weight",
-    "midlayer.input_layernorm.weight": "layer.input_norm.weight",
-    "midlayer.hidden_norm.weight": "layer.hidden_norm.weight",
-    "midlayer.post_attention_layernorm.weight": "layer.ffn_norm.weight",
-    "norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
+    return save_draft(draft, folder, _torch_dtype(dtype, config.get("dtype") or config.get("torch_dtype")))
 
 
 def eagle3_vocab(d2t, t2d, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
@@ -482,33 +436,6 @@ def eagle3_vocab(d2t, t2d, draft_vocab_size: int, vocab_size: int) -> torch.Tens
     return vocab
 
 
-def eagle3_reference_maps(vocab: torch.Tensor, vocab_size: int):
-    """The inverse of eagle3_vocab: the reference's (d2t offsets, t2d mask) for a draft vocabulary."""
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[vocab] = True
-    return vocab - torch.arange(len(vocab)), t2d
-
-
-def eagle3_draft_from_reference(config: dict, weights: dict, folder):
-    if config.get("target_hidden_size", config.get("hidden_size")) != config.get("hidden_size"):
-        raise ValueError(f"{folder}: a head whose hidden size differs from its target's (target_hidden_size) is not "
-                         f"supported: this project's drafts use the target's embedding")
-    args = model_args_from_hf({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
-    draft_vocab = int(config.get("draft_vocab_size", args.vocab_size))
-    fc = weights.pop("fc.weight", None)
-    if fc is None or fc.shape != (args.dim, 3 * args.dim) or "fc.bias" in weights:
-        raise ValueError(f"{folder} is not an EAGLE-3 head: fc.weight should be [{args.dim}, {3 * args.dim}] without "
-                         f"a bias, found {None if fc is None else tuple(fc.shape)}")
-    state = {"fc.weight": fc, "vocab": eagle3_vocab(weights.pop("d2t", None), weights.pop("t2d", None),
-                                                     draft_vocab, args.vocab_size)}
-    state.update(_take_head_tensors(weights, "midlayer.self_attn", EAGLE3_TO_DRAFT, False, folder, "EAGLE-3"))
-    # The fused layers depend on the target, which the config does not name: load_draft derives them.
-    with torch.device("meta"):
-        draft = Eagle3Draft(args, draft_vocab, layer_ids=None)
-    _assign(draft, state, folder, "EAGLE-3")
-    return draft
-
-
 def _refuse_to_overwrite(paths, force: bool):
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
@@ -518,34 +445,24 @@ def _refuse_to_overwrite(paths, force: bool):
 def _torch_dtype(dtype: str, auto):
     """The dtype to save in: dtype, or for "auto" the config's `auto` (None: tensors keep their own)."""
     name = auto if dtype == "auto" else dtype
-    if name is None:
-        return None
-    if name not in DTYPES:
+    if name is not None and name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return DTYPES.get(name)
 
 
-def _cast(state_dict: dict, dtype):
-    """In place, one tensor at a time, so that a large checkpoint is not held twice."""
+def _write_checkpoint(folder: Path, args: ModelArgs, state_dict: dict, dtype, tokenizer, source: dict) -> Path:
+    """model_config.json, then model.pth last and atomically: scripts take its presence to mean the
+    conversion finished. Cast in place, one tensor at a time, so that a large checkpoint is not held twice."""
     if dtype is not None:
         for name, tensor in state_dict.items():
             state_dict[name] = tensor.to(dtype)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _save_last(state_dict: dict, out: Path):
-    """Written last and atomically: scripts take model.pth's presence to mean the conversion finished."""
-    partial = out.with_name(out.name + ".partial")
-    torch.save(state_dict, partial)
-    partial.replace(out)
-
-
-def _write_config(folder: Path, args: ModelArgs, tokenizer, source: dict):
+    source["dtype"] = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
     config = {"model": args.to_dict(), "tokenizer": tokenizer, "source": source}
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    out, partial = folder / "model.pth", folder / "model.pth.partial"
+    torch.save(state_dict, partial)
+    partial.replace(out)
+    return out
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ give the same ids as Hugging Face's tokenizers.
 """
 import json
 import re
+from itertools import zip_longest
 from pathlib import Path
 from typing import Optional, Union
 
@@ -105,9 +106,8 @@ def _turns(messages):
     roles = [m["role"] for m in messages]
     if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2):
         raise ValueError(f"this chat template needs alternating user/assistant messages, got {roles}")
-    pairs = [(messages[i]["content"], messages[i + 1]["content"] if i + 1 < len(messages) else None)
-             for i in range(0, len(messages), 2)]
-    return system, pairs
+    contents = [m["content"] for m in messages]
+    return system, list(zip_longest(contents[::2], contents[1::2]))
 
 
 def llama2_template(tok, messages, add_generation_prompt):
@@ -170,13 +170,13 @@ def chatml_template(tok, messages, add_generation_prompt):
     return pieces
 
 
-CHAT_TEMPLATES = {
-    "llama-2": llama2_template,
-    "mistral": mistral_template,
-    "vicuna": vicuna_template,
-    "llama-3": llama3_template,
-    "chatml": chatml_template,
-}
+CHAT_TEMPLATES = {"llama-2": llama2_template, "mistral": mistral_template, "vicuna": vicuna_template,
+                  "llama-3": llama3_template, "chatml": chatml_template}
+
+
+# What a jinja chat template holds, by the name of ours it is; the first that matches wins.
+JINJA_MARKERS = {"chatml": ("<|im_start|>",), "llama-3": ("<|start_header_id|>",), "llama-2": ("<<SYS>>",),
+                 "mistral": ("[INST]",), "vicuna": ("USER:", "ASSISTANT:")}
 
 
 def chat_template_from_hf(template: Union[dict, str, None]):
@@ -187,19 +187,10 @@ def chat_template_from_hf(template: Union[dict, str, None]):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not template:
         return None, None
-    if "<|im_start|>" in template:
-        # A literal default system message (SmolLM2, Qwen2.5); its newline may be a jinja escape.
-        m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}+]+?)<\|im_end\|>", template)
-        return "chatml", m.group(1).replace("\\n", "\n") if m else None
-    if "<|start_header_id|>" in template:
-        return "llama-3", None
-    if "<<SYS>>" in template:
-        return "llama-2", None
-    if "[INST]" in template:
-        return "mistral", None
-    if "USER:" in template and "ASSISTANT:" in template:
-        return "vicuna", None
-    return None, None
+    name = next((name for name, markers in JINJA_MARKERS.items() if all(m in template for m in markers)), None)
+    # ChatML's literal default system message (SmolLM2, Qwen2.5); its newline may be a jinja escape.
+    m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}+]+?)<\|im_end\|>", template)
+    return name, m.group(1).replace("\\n", "\n") if m else None
 
 
 def load_tokenizer(checkpoint_dir) -> Tokenizer:
@@ -216,37 +207,42 @@ def load_tokenizer(checkpoint_dir) -> Tokenizer:
     return Tokenizer(path, **meta)
 
 
-def find_tokenizer_file(folder) -> Path:
-    folder = Path(folder)
-    for name in ("tokenizer.model", "tokenizer.json"):
-        if (folder / name).is_file():
-            return folder / name
-    raise FileNotFoundError(f"no tokenizer in {folder}: expected tokenizer.model (sentencepiece) "
-                            f"or tokenizer.json (Hugging Face tokenizers)")
-
-
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _template_from_vocab(has_token, model_name: str) -> Optional[str]:
+def _template_from_vocab(token_id, model_name: str) -> Optional[str]:
     """The chat template when no jinja template names it: from the special tokens, else the name."""
-    if has_token("<|im_end|>"):
+    if token_id("<|im_end|>") is not None:
         return "chatml"
-    if has_token("<|eot_id|>"):
+    if token_id("<|eot_id|>") is not None:
         return "llama-3"
     if "vicuna" in model_name.lower():
         return "vicuna"
-    if has_token("</s>"):
+    if token_id("</s>") is not None:
         return "llama-2"
     return None
+
+
+def _tokenizer_meta(file: str, token_id, jinja, model_name: str, bos_id, add_bos, stop_ids) -> dict:
+    """model_config.json's "tokenizer" section. token_id(token): its id, or None where the vocabulary lacks it.
+    The chat template is the jinja template's, else _template_from_vocab's."""
+    chat_template, system_prompt = chat_template_from_hf(jinja)
+    chat_template = chat_template or _template_from_vocab(token_id, model_name)
+    stop_ids = {token_id(t) for t in END_TOKENS} | set(stop_ids)
+    return {"file": file, "chat_template": chat_template, "system_prompt": system_prompt,
+            "bos_id": bos_id, "add_bos": bool(add_bos) and bos_id is not None,
+            "stop_ids": sorted(stop_ids - {None})}
 
 
 def guess_tokenizer_meta(folder) -> dict:
     """model_config.json's "tokenizer" section for a folder; Hugging Face's tokenizer_config.json,
     chat_template.jinja and generation_config.json win where they say something."""
     folder = Path(folder)
-    path = find_tokenizer_file(folder)
+    path = next((folder / name for name in ("tokenizer.model", "tokenizer.json") if (folder / name).is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no tokenizer in {folder}: expected tokenizer.model (sentencepiece) "
+                                f"or tokenizer.json (Hugging Face tokenizers)")
     tok = Tokenizer(path)
     hf_config = _read_json(folder / "tokenizer_config.json")
 
@@ -257,8 +253,6 @@ def guess_tokenizer_meta(folder) -> dict:
     jinja = hf_config.get("chat_template")
     if not jinja and (folder / "chat_template.jinja").is_file():  # where transformers 5 saves it
         jinja = (folder / "chat_template.jinja").read_text()
-    chat_template, system_prompt = chat_template_from_hf(jinja)
-    chat_template = chat_template or _template_from_vocab(lambda t: tok.token_id(t) is not None, folder.resolve().name)
 
     bos_id, add_bos = token_id(hf_config.get("bos_token")), hf_config.get("add_bos_token")
     if tok.sp is not None:
@@ -276,11 +270,8 @@ def guess_tokenizer_meta(folder) -> dict:
             add_bos = adds_bos
 
     eos = _read_json(folder / "generation_config.json").get("eos_token_id")  # an id or a list
-    stop_ids = {tok.token_id(t) for t in END_TOKENS} | {token_id(hf_config.get("eos_token"))}
-    stop_ids |= set(eos if isinstance(eos, list) else [eos])
-    return {"file": path.name, "chat_template": chat_template, "system_prompt": system_prompt,
-            "bos_id": bos_id, "add_bos": bool(add_bos) and bos_id is not None,
-            "stop_ids": sorted(stop_ids - {None})}
+    stop_ids = [token_id(hf_config.get("eos_token"))] + (eos if isinstance(eos, list) else [eos])
+    return _tokenizer_meta(path.name, tok.token_id, jinja, folder.resolve().name, bos_id, add_bos, stop_ids)
 
 
 # GGUF: rebuild a tokenizer.json from the vocabulary in the file's metadata. llama.cpp's token types:
@@ -295,22 +286,18 @@ GGUF_PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "starcoder", "llama-bpe", "
 
 def _byte_level_pipeline(tokenizer, pre: str):
     """Normalizer and pre-tokenizer of a GPT-2 style byte-level BPE, as the model's own tokenizer.json."""
-    if pre in ("default", "gpt-2"):
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in ("smollm", "starcoder"):  # GPT-2's regex, digits one by one
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in ("llama-bpe", "qwen2"):
-        regex = LLAMA3_REGEX if pre == "llama-bpe" else QWEN2_REGEX
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        if pre == "qwen2":
-            tokenizer.normalizer = normalizers.NFC()
-    else:
+    if pre not in GGUF_PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; "
                          f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
+    regex = {"llama-bpe": LLAMA3_REGEX, "qwen2": QWEN2_REGEX}.get(pre)  # in place of GPT-2's
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None)]
+    if pre in ("smollm", "starcoder"):  # GPT-2's regex, digits one by one
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    elif regex is not None:
+        steps.insert(0, pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
 
 
 def _merges_from_scores(tokens, scores, types):
@@ -364,15 +351,11 @@ def gguf_tokenizer_meta(metadata: dict) -> dict:
     tokens = list(metadata["tokenizer.ggml.tokens"])
     types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}
-    chat_template, system_prompt = chat_template_from_hf(metadata.get("tokenizer.chat_template"))
-    chat_template = chat_template or _template_from_vocab(special.__contains__, metadata.get("general.name") or "")
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama")
-    stop_ids = {special[t] for t in END_TOKENS if t in special}
-    stop_ids |= {metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")}
-    return {"file": "tokenizer.json", "chat_template": chat_template, "system_prompt": system_prompt,
-            "bos_id": bos_id, "add_bos": bool(add_bos) and bos_id is not None,
-            "stop_ids": sorted(stop_ids - {None})}
+    stop_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return _tokenizer_meta("tokenizer.json", special.get, metadata.get("tokenizer.chat_template"),
+                           metadata.get("general.name") or "", metadata.get("tokenizer.ggml.bos_token_id"),
+                           add_bos, stop_ids)
 
 
 class TextStreamer:

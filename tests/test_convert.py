@@ -461,12 +461,17 @@ def test_eagle_head_errors(tmp_path, capsys):
 # Published EAGLE-3 heads: the reference's key names and shapes, and its forward, written here
 # from the published description (independently of draft.py)
 # ---------------------------------------------------------------------------------------------
+def eagle3_reference_maps(vocab: torch.Tensor, vocab_size: int):
+    """The inverse of eagle3_vocab: the reference's (d2t offsets, t2d mask) for a draft vocabulary."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    return vocab - torch.arange(len(vocab)), t2d
+
+
 def write_reference_eagle3_head(draft, folder, embed=None, maps=True):
     """Write an Eagle3Draft in the reference layout: config.json with draft_vocab_size, separate
     q/k/v, midlayer.* names, d2t offsets and the t2d mask (maps=False: neither, as for a head
     over the whole vocabulary)."""
-    from convert_hf_checkpoint import eagle3_reference_maps
-
     folder.mkdir(parents=True, exist_ok=True)
     c = draft.config
     (folder / "config.json").write_text(json.dumps({
@@ -562,7 +567,7 @@ def test_published_eagle3_head_converts_and_matches_the_published_forward(tmp_pa
 
 
 def test_eagle3_vocabulary_maps_round_trip():
-    from convert_hf_checkpoint import eagle3_reference_maps, eagle3_vocab
+    from convert_hf_checkpoint import eagle3_vocab
 
     vocab = torch.tensor([0, 3, 4, 9, 15])
     d2t, t2d = eagle3_reference_maps(vocab, 16)
