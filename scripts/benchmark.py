@@ -49,6 +49,7 @@ from tokenizer import load_tokenizer  # noqa: E402
 from trees import mc_sim_7b_63, static_tree  # noqa: E402
 
 METHODS = ("vanilla", "chain", "eagle", "eagle2", "eagle3", "lookup", "eagle2+lookup", "eagle3+lookup")
+HEADS = {"eagle": ("draft_checkpoint_path", "EAGLE-1/2"), "eagle3": ("draft3_checkpoint_path", "EAGLE-3")}
 HEAD_OF = {"chain": "eagle", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3", "lookup": None,
            "eagle2+lookup": "eagle", "eagle3+lookup": "eagle3"}  # the head each method runs
 ADAPTIVE = ("eagle2+lookup", "eagle3+lookup")  # decoded with speculative_generate(adaptive=True)
@@ -168,11 +169,10 @@ def parse_args(argv=None):
         if args.methods is None:  # every method whose head is on disk
             args.methods = [m for m in METHODS[1:] if HEAD_OF[m] is None or heads[HEAD_OF[m]].exists()]
         args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
-        for head, path in heads.items():
+        for head, (flag, what) in HEADS.items():
             needing = " ".join(m for m in args.methods[1:] if HEAD_OF[m] == head)
-            flag, what = ("--draft3_checkpoint_path", "EAGLE-3") if head == "eagle3" else ("--draft_checkpoint_path", "EAGLE-1/2")
-            check(not needing or path.exists(), f"methods {needing} need an {what} head: {path} not found "
-                  f"(pass {flag}, or leave them out of --methods)")
+            check(not needing or heads[head].exists(), f"methods {needing} need an {what} head: {heads[head]} not "
+                  f"found (pass --{flag}, or leave them out of --methods)")
         check(not args.peers or importlib.util.find_spec("transformers"),
               "--peers needs transformers: pip install -r requirements-dev.txt")
     if errors:
@@ -185,11 +185,10 @@ def parse_args(argv=None):
                                     tp.launched_by_torchrun())
         if problem:
             p.error(problem)
-    if args.out is None:
-        name = f"mt_bench-{args.checkpoint_path.parent.name}"
-        if args.random_weights:
-            name = f"random-{Path(args.model_name).stem if args.model_name.endswith('.json') else args.model_name}"
-        args.out = ROOT / "benchmarks" / name
+    if args.out is None and args.random_weights:
+        name = Path(args.model_name).stem if args.model_name.endswith(".json") else args.model_name
+        args.out = ROOT / "benchmarks" / f"random-{name}"
+    args.out = args.out or ROOT / "benchmarks" / f"mt_bench-{args.checkpoint_path.parent.name}"
     if args.random_weights:  # the shape of the rounds measured
         args.tree_top_k, args.tree_depth = args.tree_top_k or TREE_TOP_K, args.tree_depth or TREE_DEPTH["eagle2"]
     args.steps = args.steps or (100 if args.device.startswith("cuda") else 10)
@@ -410,10 +409,10 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
     return decoders
 
 
-def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
+def summarize(answers: list, header_fields: dict, peaks: dict, shapes: dict) -> list:
     """One record per method x temperature x category ("overall" first): tok/s, speedup over vanilla in
     the same group, tau (tokens per target forward, bonus included), adaptive decoding's plain steps and
-    tau over the rounds alone, and at T=0 the fraction of answers equal to vanilla's."""
+    tau over the rounds alone, at T=0 the fraction of answers equal to vanilla's, and the tree's size."""
     records, groups = [], {}
     for a in answers:
         for category in ("overall", a["category"]):
@@ -429,7 +428,7 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
             mean_accepted=accepted / rounds if rounds else None, plain_steps=plain_steps,
             round_tau=(accepted - plain_steps) / (rounds - plain_steps) if rounds > plain_steps else None,
             equal_to_vanilla=(sum(a["equal_to_vanilla"] for a in group) / len(group)) if T == 0 else None,
-            peak_memory_gb=peaks[method, T]))
+            peak_memory_gb=peaks[method, T], tree_tokens=tree_size(shapes.get((method, T)))))
     vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
     for r in records:
         r["speedup"] = r["tokens_per_s"] / vanilla[r["temperature"], r["category"]]
@@ -437,8 +436,10 @@ def summarize(answers: list, header_fields: dict, peaks: dict) -> list:
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
 
 
-def tree_size(shape) -> int:
-    """Tokens a round of this shape verifies, root and lookup nodes included."""
+def tree_size(shape):
+    """Tokens a round of this shape verifies, root and lookup nodes included; None without a shape (plain decoding)."""
+    if shape is None:
+        return None
     return (shape["static"].parents.numel() if "static" in shape else shape.get("tree_tokens", 1)) + shape.get("lookup", 0)
 
 
@@ -451,9 +452,8 @@ def run_mt_bench(args, argv=None) -> dict:
     stop_ids = tokenizer.stop_ids
     paths = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
     draft_dtypes = {"eagle": dtype, "eagle3": getattr(torch, args.draft3_dtype or args.dtype)}
-    drafts = {}
-    for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None):
-        drafts[head] = load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention, arch=head)
+    drafts = {head: load_draft(paths[head], model.config, device, draft_dtypes[head], args.attention, arch=head)
+              for head in dict.fromkeys(HEAD_OF[m] for m in args.methods[1:] if HEAD_OF[m] is not None)}
     questions = load_questions(args.question_file, args.num_questions)
     start = time.perf_counter()
 
@@ -533,10 +533,7 @@ def run_mt_bench(args, argv=None) -> dict:
 
         fields["transformers"] = transformers.__version__
     records = summarize(answers, {k: fields[k] for k in ("hardware", "model", "dtype", "compiled", "date", "command")},
-                        peaks)
-    for r in records:
-        shape = shapes.get((r["method"], r["temperature"]))
-        r["tree_tokens"] = None if shape is None else tree_size(shape)
+                        peaks, shapes)
     return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model), decode_step=decode_step,
                 drafts={head: str(paths[head]) for head in drafts}, question_file=str(args.question_file),
                 questions=len(asked), questions_left_out=len(questions) - len(asked),
@@ -613,7 +610,7 @@ def random_modules(config: ModelArgs, methods, device: str, dtype: torch.dtype, 
         drafts = {"eagle": EagleDraft(draft_config_for(config)),
                   "eagle3": Eagle3Draft(draft_config_for(config), min(EAGLE3_DRAFT_VOCAB, config.vocab_size),
                                         eagle3_layer_ids(config.n_layer))}
-    drafts = {arch: d for arch, d in drafts.items() if arch in ("eagle3" if m == "eagle3" else "eagle" for m in methods)}
+    drafts = {arch: d for arch, d in drafts.items() if arch in {HEAD_OF[m] for m in methods}}
     if shard is not None:
         tp.shard_model(model, shard)
     for module in (model, *drafts.values()):
@@ -640,7 +637,6 @@ def run_random_weights(args, argv=None) -> dict:
     start = time.perf_counter()
     device, dtype, cuda = args.device, getattr(torch, args.dtype), args.device.startswith("cuda")
     config = model_config(args.model_name)
-    torch.manual_seed(args.seed)
     model, drafts = random_modules(config, args.methods, device, dtype, args.shard)  # heads stay in dtype
     parameters = sum(p.numel() for p in model.parameters())
     quantized = quantize_model(model, args.quantize, args.groupsize) if args.quantize else []
@@ -699,7 +695,7 @@ def run_random_weights(args, argv=None) -> dict:
             break
         tree = dict(static=static_tree(mc_sim_7b_63)) if method == "eagle" else \
             dict(tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_tokens=T)
-        spec = Speculator(model, drafts["eagle3" if method == "eagle3" else "eagle"], **tree)
+        spec = Speculator(model, drafts[HEAD_OF[method]], **tree)
         spec.setup(1, context)
         if args.compile:
             compile_round(spec, args.compile_prefill)

@@ -38,25 +38,17 @@ def main() -> int:
         # Prefer safetensors; fall back to PyTorch *.bin files only when the repo has none.
         files = HfApi().list_repo_files(args.repo_id, token=token)
         weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["*.bin"]
-        snapshot_download(
-            args.repo_id,
-            local_dir=checkpoint_dir,
-            allow_patterns=CONFIG_PATTERNS + weights,
-            ignore_patterns=IGNORE_PATTERNS,
-            token=token,
-        )
+        snapshot_download(args.repo_id, local_dir=checkpoint_dir, allow_patterns=CONFIG_PATTERNS + weights,
+                          ignore_patterns=IGNORE_PATTERNS, token=token)
     except Exception as e:  # the hub's error classes moved between versions: match by name
         names = {cls.__name__ for cls in type(e).__mro__}
         print(f"error: downloading {args.repo_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        hint = "check the network connection and the repo id, then rerun (downloads resume)."
         if "GatedRepoError" in names or "RepositoryNotFoundError" in names:
-            print(
-                "hint: the repo is gated or private (or the id is misspelled). Accept the model's "
-                "license on its hub page, create an access token in your account settings, and pass "
-                "it with --hf_token TOKEN or the HF_TOKEN environment variable.",
-                file=sys.stderr,
-            )
-        else:
-            print("hint: check the network connection and the repo id, then rerun (downloads resume).", file=sys.stderr)
+            hint = ("the repo is gated or private (or the id is misspelled). Accept the model's license on its hub "
+                    "page, create an access token in your account settings, and pass it with --hf_token TOKEN or the "
+                    "HF_TOKEN environment variable.")
+        print(f"hint: {hint}", file=sys.stderr)
         return 1
 
     print(f"downloaded {args.repo_id} into {checkpoint_dir}/")

@@ -27,43 +27,41 @@ from checkpoint import DRAFT_WEIGHTS, draft_files, load_draft, load_model  # noq
 def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
     """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; returns the new path."""
     path = Path(path)
-    if quantize.mode_from_path(path)[0] is not None:
-        raise ValueError(f"{path.name} is already quantized: quantize the float model.pth")
-    out = quantize.quantized_path(path, mode, groupsize)
-    _refuse_to_overwrite(out, force)
+    out = _quantized_path(path, "model.pth", mode, groupsize, force)
     model = load_model(path, "cpu", dtype=None)  # dtype None: the float parts keep the file's dtype
     for line in quantize.quantize_model(model, mode, groupsize):
         print(line)
     if model.config.tie_embeddings:
         print("  tied LM head: quantized as its own copy; tok_embeddings.weight stays in float")
     torch.save(model.state_dict(), out)
-    _report_written(out, path)
-    return out
+    return _report_written(out, path)
 
 
 def quantize_draft(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
     """An EAGLE draft folder (or its draft.safetensors) -> draft_int8.safetensors /
     draft_int4.gNN.safetensors in the same folder; returns the new path."""
     _, _, weights = draft_files(path)
-    if quantize.mode_from_path(weights)[0] is not None:
-        raise ValueError(f"{weights.name} is already quantized: quantize the float {DRAFT_WEIGHTS}")
-    out = quantize.quantized_path(weights, mode, groupsize)
-    _refuse_to_overwrite(out, force)
+    out = _quantized_path(weights, DRAFT_WEIGHTS, mode, groupsize, force)
     draft = load_draft(weights)  # no target at hand to check it against
     for line in quantize.quantize_model(draft, mode, groupsize):
         print(line)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out))
-    _report_written(out, weights)
+    return _report_written(out, weights)
+
+
+def _quantized_path(source: Path, float_name: str, mode: str, groupsize: int, force: bool) -> Path:
+    """Where source's quantized copy goes: refused for a quantized source, or an existing copy without force."""
+    if quantize.mode_from_path(source)[0] is not None:
+        raise ValueError(f"{source.name} is already quantized: quantize the float {float_name}")
+    out = quantize.quantized_path(source, mode, groupsize)
+    if out.exists() and not force:
+        raise FileExistsError(f"refusing to overwrite {out}: pass --force to replace it")
     return out
 
 
-def _refuse_to_overwrite(path: Path, force: bool):
-    if path.exists() and not force:
-        raise FileExistsError(f"refusing to overwrite {path}: pass --force to replace it")
-
-
-def _report_written(out: Path, source: Path):
+def _report_written(out: Path, source: Path) -> Path:
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; {source.name}: {source.stat().st_size / 1e6:.1f} MB)")
+    return out
 
 
 def main(argv=None):
