@@ -20,7 +20,6 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -272,8 +271,7 @@ def keep_prompt(text: str, seen: set) -> bool:
 
 def next_user_prefix(tokenizer, messages):
     """The ids of `messages` followed by the template's opening of the next user message."""
-    a = tokenizer.apply_chat_template(messages + [{"role": "user", "content": "A"}], add_generation_prompt=False)
-    b = tokenizer.apply_chat_template(messages + [{"role": "user", "content": "B"}], add_generation_prompt=False)
+    a, b = (tokenizer.apply_chat_template(messages + [{"role": "user", "content": c}], False) for c in "AB")
     n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     return a[:n]
 
@@ -307,11 +305,8 @@ def seeded_messages(model, tokenizer, prefixes, openers, preset: Preset, stop_id
     seeds = [tokenizer.encode(o, bos=False) if o else [] for o in openers]
     rows = generate_batch(model, [p + s for p, s in zip(prefixes, seeds)], preset.prompt_max_tokens,
                           preset.prompt_temperature, preset.prompt_top_k, stop_ids)
-    texts = []
-    for p, row in zip(prefixes, rows):
-        message = row[len(p):]
-        texts.append(tokenizer.decode(message[:-1]).strip() if message and message[-1] in stop_ids else None)
-    return texts
+    messages = [row[len(p):] for p, row in zip(prefixes, rows)]
+    return [tokenizer.decode(m[:-1]).strip() if m and m[-1] in stop_ids else None for m in messages]
 
 
 def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: int):
@@ -319,7 +314,6 @@ def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: 
     rng = random.Random(seed * 1_000_003 + index)
     torch.manual_seed(seed * 1_000_003 + index)
     stop_ids = set(tokenizer.stop_ids)
-    chat = tokenizer.apply_chat_template
     n_try = preset.gen_batch + preset.gen_batch // 4  # some messages fail the filter
     categories = [rng.choice(CATEGORIES) for _ in range(n_try)]
     openers = [rng.choice(OPENERS[c]) for c in categories]
@@ -335,7 +329,7 @@ def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: 
     header = assistant_header(tokenizer)
 
     def answer(group):  # the target's answers to the conversations' last user messages
-        prompts = [chat(c["messages"]) for c in group]
+        prompts = [tokenizer.apply_chat_template(c["messages"]) for c in group]
         seqs = generate_batch(model, prompts, preset.answer_max_tokens, [c["temperature"] for c in group], None,
                               stop_ids)
         for c, p, s in zip(group, prompts, seqs):
@@ -421,11 +415,10 @@ def make_conversations(model, tokenizer, preset: Preset, data_dir: Path, seed: i
               f"{sum(len(c['ids']) for c in convs)} tokens in {minutes:.1f} min", file=sys.stderr, flush=True)
 
 
-def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_top: int):
-    """(features [T, F] float16, top_ids [T, K] uint16, top_probs [T, K] float16) of a shard's tokens,
-    cached as .npy files (memory-mapped when read), recomputed when missing or made from other ids.
-    layer_ids None: the final hidden state (EAGLE-1/2, files named apart, so both share a cache_dir)."""
-    s = load_conversation_arrays(shard)
+def conversation_features(model, shard: Path, s: dict, cache_dir: Path, layer_ids, keep_top: int):
+    """(features [T, F] float16, top_ids [T, K] uint16, top_probs [T, K] float16) of the tokens of a shard
+    (s: its arrays), cached as .npy files (memory-mapped when read), recomputed when missing or made from
+    other ids. layer_ids None: the final hidden state (EAGLE-1/2, files named apart, so both share a cache_dir)."""
     stamp = {"tokens": int(len(s["ids"])), "crc32": zlib.crc32(s["ids"].tobytes()),
              "layer_ids": None if layer_ids is None else list(layer_ids), "keep_top": keep_top}
     stem = shard.stem if layer_ids is not None else f"{shard.stem}.final"
@@ -445,15 +438,14 @@ def conversation_features(model, shard: Path, cache_dir: Path, layer_ids, keep_t
     return tuple(np.load(name, mmap_mode="r") for name in parts.values())
 
 
-def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_top: int, shards=None):
-    """Training records {"ids", "learn", "features", "top_ids", "top_probs", "turns", "prompt"} of the
-    shards' conversations (default: all in data_dir), split into train and val. learn[p]: the token
-    after p is an assistant token; prompt: the ids up to the last answer (where tau starts)."""
+def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_top: int, shards):
+    """Training records {"ids", "learn", "features", "top_ids", "top_probs", "turns", "prompt"} of the shards'
+    conversations, split into train and val. learn[p]: the token after p is an assistant token; prompt: the
+    ids up to the last answer (where tau starts)."""
     data = {"train": [], "val": []}
-    names = shards if shards is not None else sorted(p.name for p in data_dir.glob("conv_*.npz"))
-    for name in tqdm(names, desc="features", unit="shard"):
+    for name in tqdm(shards, desc="features", unit="shard"):
         s = load_conversation_arrays(data_dir / name)
-        feats, top_ids, top_probs = conversation_features(model, data_dir / name, cache_dir, layer_ids, keep_top)
+        feats, top_ids, top_probs = conversation_features(model, data_dir / name, s, cache_dir, layer_ids, keep_top)
         o = s["offsets"]
         for i in range(len(o) - 1):
             a, b = o[i], o[i + 1]
@@ -469,7 +461,7 @@ def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_t
 
 
 # ---- EAGLE-3's reduced vocabulary
-def choose_vocab(counts: torch.Tensor, size: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+def choose_vocab(counts: torch.Tensor, size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """The `size` most frequent tokens (ties: lower id), ascending; keep's tokens (a head's, widened) first."""
     kept = set() if keep is None else set(keep.tolist())
     order = sorted(range(counts.numel()), key=lambda t: (t not in kept, -int(counts[t]), t))[:size]
@@ -548,10 +540,10 @@ def make_batches(records, batch_tokens: int, shuffle: bool, rng: random.Random):
                                   [r["turns"] for r in records])
 
 
-def pad_rows(records, key: str, dtype, fill=0) -> torch.Tensor:
-    """records[i][key] ([n_i, ...], numpy or memory-mapped) right-padded into one tensor [B, max n_i, ...]."""
+def pad_rows(records, key: str, dtype) -> torch.Tensor:
+    """records[i][key] ([n_i, ...], numpy or memory-mapped) zero-padded into one tensor [B, max n_i, ...]."""
     rows = [r[key] for r in records]
-    out = np.full((len(rows), max(len(x) for x in rows), *rows[0].shape[1:]), fill, dtype=dtype)
+    out = np.zeros((len(rows), max(len(x) for x in rows), *rows[0].shape[1:]), dtype=dtype)
     for b, x in enumerate(rows):
         out[b, :len(x)] = x
     return torch.from_numpy(out)
@@ -639,8 +631,7 @@ def collate3(items, device, draft_index: torch.Tensor):
     ids, feats, answer = collate(items, "cpu")
     real = torch.arange(ids.size(1)) < torch.tensor([len(r["ids"]) for r in items])[:, None]  # not padding
     top_idx = torch.where(real[..., None], draft_index[pad_rows(items, "top_ids", np.int64)], -1)
-    top_p = pad_rows(items, "top_probs", np.float32)
-    top_p = top_p * (top_idx >= 0)
+    top_p = pad_rows(items, "top_probs", np.float32) * (top_idx >= 0)
     learn = answer & (top_idx[..., 0] >= 0)
     top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-12)
     return tuple(x.to(device) for x in (ids, feats, top_idx, top_p, learn, answer))
@@ -648,8 +639,6 @@ def collate3(items, device, draft_index: torch.Tensor):
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     """Index t of the result holds x[:, t + k] (fill past the end)."""
-    if k == 0:
-        return x
     pad = x.new_full((x.size(0), k, *x.shape[2:]), fill)
     return torch.cat([x[:, k:], pad], dim=1)
 
@@ -668,10 +657,7 @@ def eagle3_unroll(draft, embed, ids, feats, unroll: int):
     for k in range(unroll):
         tokens = _shift(ids, k + 1)  # tok_{t+k+1}
         x = torch.cat([layer.input_norm(embed(tokens)), layer.hidden_norm(h)], dim=-1)
-        q, kk, v = attn.wqkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        q = q.view(B, n, H, D).transpose(1, 2)
-        kk = kk.view(B, n, KV, D).transpose(1, 2)
-        v = v.view(B, n, KV, D).transpose(1, 2)
+        q, kk, v = (y.view(B, n, -1, D).transpose(1, 2) for y in attn.wqkv(x).split([H * D, KV * D, KV * D], -1))
         cos, sin = draft.rope_cos[t + k][None], draft.rope_sin[t + k][None]
         q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
         keys.append(kk)
@@ -694,15 +680,12 @@ def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, prese
     """Per unrolled step k: (weighted loss, summed soft CE, hits, positions with a loss, answer
     positions). The LM head runs only where there is a loss; an answer whose target is outside the
     draft vocabulary is a miss."""
-    n = ids.size(1)
-    t = torch.arange(n, device=ids.device)
     results = []
     for k, h in enumerate(eagle3_unroll(draft, embed, ids, feats, preset.unroll)):
-        inside = t + k + 1 < n  # the target at position t + k + 1; positions past the end learn nothing
-        sel = _shift(learn, k + 1, False) & inside
-        n_answer = (_shift(answer, k + 1, False) & inside).sum()
+        sel = _shift(learn, k + 1, False)  # the target at position t + k + 1; none past the end
+        n_answer = _shift(answer, k + 1, False).sum()
         idx, p = _shift(top_idx, k + 1, -1)[sel], _shift(top_p, k + 1, 0.0)[sel]
-        logp = torch.log_softmax(draft.lm_head(draft.norm(h[sel])).float(), dim=-1)
+        logp = draft.log_probs(h[sel])
         ce = -(p * logp.gather(1, idx.clamp(min=0))).sum(-1)
         hits = (logp.argmax(-1) == idx[:, 0]).sum()
         mean = ce.sum() / max(1, int(sel.sum()))
@@ -710,29 +693,27 @@ def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, prese
     return results
 
 
-def batch_losses(draft, target, items, preset: Preset, device, draft_index, training: bool):
-    """Either architecture's per-step losses on a batch (draft_index: EAGLE-3's vocabulary map)."""
-    if draft_index is not None:
-        return eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
-    return draft_losses(draft, target.tok_embeddings, target.output, *collate(items, device), preset, noise=training)
-
-
-def autocast(device, dtype: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+def batch_losses(draft, target, items, preset: Preset, dtype: str, draft_index, training: bool):
+    """Either architecture's per-step losses on a batch (draft_index: EAGLE-3's vocabulary map), in
+    bf16 autocast unless dtype is float32."""
+    device = target.norm.weight.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        if draft_index is not None:
+            return eagle3_losses(draft, target.tok_embeddings, *collate3(items, device, draft_index), preset)
+        return draft_losses(draft, target.tok_embeddings, target.output, *collate(items, device), preset, training)
 
 
 @torch.no_grad()
-def validate(draft, target, data, preset: Preset, device, dtype: str, draft_index=None):
-    """Per unrolled step [unroll, 3]: EAGLE-1/2 [SmoothL1, CE, top-1 accuracy]; EAGLE-3 (draft_index)
-    [soft CE, top-1 accuracy (targets outside the vocabulary are misses), accuracy among those inside]."""
+def validate(draft, target, data, preset: Preset, dtype: str, draft_index=None) -> dict:
+    """Per unrolled step: EAGLE-1/2 "val_smooth_l1", "val_ce", "val_acc" (top-1); EAGLE-3 (draft_index)
+    "val_ce" (soft), "val_acc" (top-1, targets outside the vocabulary are misses), "val_acc_in_vocab"
+    (the same among those inside)."""
     draft.eval()
     eagle3 = draft_index is not None
-    lengths = [len(r["ids"]) for r in data]
     sums, count = torch.zeros(preset.unroll, 4 if eagle3 else 3), 0
-    for batch in make_batches_by_length(lengths, preset.batch_tokens, False, None,
+    for batch in make_batches_by_length([len(r["ids"]) for r in data], preset.batch_tokens, False, None,
                                         None if eagle3 else [r["turns"] for r in data]):
-        with autocast(device, dtype):
-            res = batch_losses(draft, target, [data[i] for i in batch], preset, device, draft_index, False)
+        res = batch_losses(draft, target, [data[i] for i in batch], preset, dtype, draft_index, False)
         if eagle3:
             sums += torch.tensor([[float(x) for x in r[1:]] for r in res])
         else:  # means of batches, weighted by their conversations
@@ -740,16 +721,10 @@ def validate(draft, target, data, preset: Preset, device, dtype: str, draft_inde
             count += len(batch)
     draft.train()
     if not eagle3:
-        return sums / count
+        return dict(zip(("val_smooth_l1", "val_ce", "val_acc"), (sums / count).T.tolist()))
     ce_sum, hits, n_sel, n_answer = sums.unbind(-1)
-    return torch.stack([ce_sum / n_sel.clamp(min=1), hits / n_answer.clamp(min=1), hits / n_sel.clamp(min=1)], -1)
-
-
-def val_scores(draft, target, val, preset: Preset, dtype: str, draft_index) -> dict:
-    v = validate(draft, target, val, preset, target.norm.weight.device, dtype, draft_index)
-    names = ("val_ce", "val_acc", "val_acc_in_vocab") if draft_index is not None else \
-        ("val_smooth_l1", "val_ce", "val_acc")
-    return {name: v[:, i].tolist() for i, name in enumerate(names)}
+    scores = (ce_sum / n_sel.clamp(min=1), hits / n_answer.clamp(min=1), hits / n_sel.clamp(min=1))
+    return {name: x.tolist() for name, x in zip(("val_ce", "val_acc", "val_acc_in_vocab"), scores)}
 
 
 def val_score(val_acc, decay: float) -> float:
@@ -762,7 +737,7 @@ def val_score(val_acc, decay: float) -> float:
 @torch.no_grad()
 def measure_tau(target, draft, stop_ids, prompts, preset: Preset):
     """Mean accepted tokens per round of greedy EAGLE-2-tree decoding of prompts; None when no round ran."""
-    draft = copy.deepcopy(draft).to(target.norm.weight.dtype)  # decode in the target's dtype
+    draft = copy.deepcopy(draft).to(target.norm.weight.dtype).eval()  # decode in the target's dtype
     draft.max_seq_length = -1  # training replaced the draft's KV cache: let the Speculator make one
     spec = Speculator(target, draft, stop_ids=stop_ids, tree_depth=preset.tau_depth)
     rounds = []
@@ -778,12 +753,26 @@ def setup_for_training(draft, max_len: int):
     draft.setup_caches(1, max_len)
 
 
-def head_scores(head, target, val, tau_prompts, stop_ids, preset: Preset, dtype: str) -> dict:
-    """A trained head's "val_tau" and "val_acc" on this run's held-out data: what a new head must beat."""
-    setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
-    index = index_of_vocab(head.vocab, target.config.vocab_size) if isinstance(head, Eagle3Draft) else None
-    acc = val_scores(head, target, val, preset, dtype, index)["val_acc"]
-    return {"val_tau": measure_tau(target, head, stop_ids, tau_prompts, preset), "val_acc": acc}
+def baseline_scores(args, target, init, val, tau_prompts, stop_ids, preset: Preset):
+    """The bar a new head must beat on this run's held-out data: the better of the head in out_dir
+    (--force) and the one training starts from (--init_from), as {"dir", "val_tau", "val_acc"}; None
+    without either."""
+    heads = {}  # resolved path -> (the path as given, the head): one directory is measured once
+    if (args.out_dir / "draft.safetensors").exists():
+        heads[args.out_dir.resolve()] = args.out_dir, load_draft(args.out_dir, target.config, args.device,
+                                                                 torch.float32)
+    if init is not None:
+        heads[args.init_from.resolve()] = args.init_from, init
+    scores = []
+    for path, head in heads.values():
+        setup_for_training(head, max(len(r["ids"]) for r in val) + preset.unroll + 1)
+        index = index_of_vocab(head.vocab, target.config.vocab_size) if isinstance(head, Eagle3Draft) else None
+        acc = validate(head, target, val, preset, args.dtype, index)["val_acc"]
+        scores.append({"dir": str(path), "val_tau": measure_tau(target, head, stop_ids, tau_prompts, preset),
+                       "val_acc": acc})
+        print(f"the head in {path}: validation tau {scores[-1]['val_tau']}, accuracy per unrolled step "
+              f"{[round(a, 4) for a in acc]}", file=sys.stderr)
+    return max(scores, key=lambda x: val_score(x["val_acc"], preset.unroll_decay), default=None)
 
 
 def make_draft(target, arch: str, vocab, head_weight, init):
@@ -808,13 +797,11 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab, on_e
     draft = make_draft(target, args.arch, vocab, head_weight, init).to(device).train()
     use_attention(draft)  # the attention kernels of the device it trains on
     index = index_of_vocab(vocab, target.config.vocab_size) if args.arch == "eagle3" else None
-    lengths = [len(r["ids"]) for r in data["train"]]
-    groups = [r["turns"] for r in data["train"]]
-    setup_for_training(draft, max(lengths + [len(r["ids"]) for r in data["val"]]) + preset.unroll + 1)
+    setup_for_training(draft, max(len(r["ids"]) for r in data["train"] + data["val"]) + preset.unroll + 1)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
     rng = random.Random(args.seed)
-    steps_per_epoch = len(make_batches_by_length(lengths, preset.batch_tokens, False, rng, groups))
+    steps_per_epoch = len(make_batches(data["train"], preset.batch_tokens, False, rng))
     total = preset.epochs * steps_per_epoch
     print(f"{steps_per_epoch} steps an epoch, {total} in all", file=sys.stderr, flush=True)
 
@@ -830,9 +817,8 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab, on_e
           "seconds": 0.0, "best_score": None, "baseline": baseline, "shipped_step": None, "last_eval": 0}
     if state_file.is_file():
         saved = torch.load(state_file, weights_only=False)
-        draft.load_state_dict(saved.pop("draft"))
-        opt.load_state_dict(saved.pop("opt"))
-        sched.load_state_dict(saved.pop("sched"))
+        for name, part in (("draft", draft), ("opt", opt), ("sched", sched)):
+            part.load_state_dict(saved.pop(name))
         torch.set_rng_state(saved.pop("torch_rng"))
         changed = {k: (v, getattr(preset, k, None)) for k, v in saved.pop("preset", {}).items()
                    if getattr(preset, k, None) != v}
@@ -854,11 +840,9 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab, on_e
         record = {"step": st["step"], "epoch": round(st["epoch"] + st["batch"] / max(1, steps_per_epoch), 3),
                   "epoch_end": epoch_done, "train_minutes": round(st["seconds"] / 60, 2),
                   "train_loss": sum(st["losses"][since:]) / max(1, len(st["losses"]) - since),
-                  **val_scores(draft, target, data["val"], preset, args.dtype, index)}
+                  **validate(draft, target, data["val"], preset, args.dtype, index)}
         if tau_prompts:
-            draft.eval()
             record["val_tau"] = measure_tau(target, draft, stop_ids, tau_prompts, preset)
-            draft.train()
         st["history"].append(record)
         print(json.dumps(record), file=sys.stderr, flush=True)
         score = record["val_score"] = val_score(record["val_acc"], preset.unroll_decay)
@@ -870,13 +854,12 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab, on_e
 
     while st["epoch"] < preset.epochs:
         rng.setstate(st["epoch_rng"])
-        batches = make_batches_by_length(lengths, preset.batch_tokens, True, rng, groups)
+        batches = make_batches(data["train"], preset.batch_tokens, True, rng)
         bar = tqdm(range(st["batch"], len(batches)), desc=f"epoch {st['epoch'] + 1}/{preset.epochs}", unit="batch",
                    initial=st["batch"], total=len(batches), mininterval=30)
         for b in bar:
             t0 = time.time()
-            with autocast(device, args.dtype):
-                res = batch_losses(draft, target, [data["train"][i] for i in batches[b]], preset, device, index, True)
+            res = batch_losses(draft, target, [data["train"][i] for i in batches[b]], preset, args.dtype, index, True)
             loss = sum(r[0] for r in res)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -929,40 +912,34 @@ def parse_args(argv=None):
     for name, field in Preset.__dataclass_fields__.items():
         p.add_argument(f"--{name}", type=type(field.default), help="a Preset value")
     args = p.parse_args(argv)
+    args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
+    args.data_dir = args.data_dir or args.work_dir / "conversations"
+    args.cache_dir = args.cache_dir or args.work_dir / "features"
+    state, used = args.work_dir / "train_state.pt", args.work_dir / "train_data.json"
     if not args.checkpoint_path.is_file():
         p.error(f"checkpoint not found: {args.checkpoint_path}")
     if (args.out_dir / "draft.safetensors").exists() and not args.force and not args.data_only:
         p.error(f"{args.out_dir} already holds a head; pass --force to replace it")
-    args.work_dir = args.work_dir or args.out_dir.with_name(args.out_dir.name + ".work")
-    args.data_dir = args.data_dir or args.work_dir / "conversations"
-    args.cache_dir = args.cache_dir or args.work_dir / "features"
-    if (args.work_dir / "train_state.pt").is_file() and not args.resume and not args.data_only:
-        p.error(f"{args.work_dir} holds a training state: pass --resume to continue it, or delete "
-                f"{args.work_dir / 'train_state.pt'} to start over")
+    if state.is_file() and not args.resume and not args.data_only:
+        p.error(f"{args.work_dir} holds a training state: pass --resume to continue it, or delete {state} "
+                "to start over")
     if args.init_from is not None and not (args.init_from / "draft.safetensors").is_file():
         p.error(f"--init_from {args.init_from}: no draft.safetensors there")
     overrides = {k: getattr(args, k) for k in Preset.__dataclass_fields__ if getattr(args, k) is not None}
     preset = replace(PRESETS[args.arch][args.preset], **overrides)
     if not 0 <= args.first_shard < preset.n_shards:
         p.error(f"--first_shard must be in [0, {preset.n_shards - 1}] (below --n_shards), got {args.first_shard}")
-    # A resumed run keeps the shards it started on: asked for others, say what to do instead.
-    started = resumed_shards(args)
-    asked = None if args.n_shards is None else shard_names(args.first_shard, args.n_shards)
-    if started is not None and asked is not None and not args.data_only and started != asked:
-        p.error(f"the training state in {args.work_dir} runs over {len(started)} shards ({started[0]} .. "
-                f"{started[-1]}), not --first_shard {args.first_shard} --n_shards {args.n_shards}: drop both to "
-                f"continue it, or move {args.work_dir / 'train_state.pt'} away to start another run")
+    args.shards = shard_names(args.first_shard, preset.n_shards)  # what training reads
+    if args.resume and used.is_file() and state.is_file():  # the shards the resumed run started on
+        started = json.loads(used.read_text())["shards"]
+        if args.n_shards is not None and not args.data_only and started != args.shards:
+            p.error(f"the training state in {args.work_dir} runs over {len(started)} shards ({started[0]} .. "
+                    f"{started[-1]}), not --first_shard {args.first_shard} --n_shards {args.n_shards}: drop both to "
+                    f"continue it, or move {state} away to start another run")
+        args.shards = started
     if preset.unroll < 1:
         p.error(f"--unroll must be at least 1, got {preset.unroll}")
     return args, preset
-
-
-def resumed_shards(args):
-    """The shard list of the training state --resume continues; None without one."""
-    used = args.work_dir / "train_data.json"
-    if args.resume and used.is_file() and (args.work_dir / "train_state.pt").is_file():
-        return json.loads(used.read_text())["shards"]
-    return None
 
 
 def conversation_data(target, tokenizer, preset: Preset, args, vocab=None):
@@ -971,29 +948,23 @@ def conversation_data(target, tokenizer, preset: Preset, args, vocab=None):
     (or keeps `vocab`, --init_from's, widened by the most frequent tokens it lacks to a larger size)."""
     eagle3 = args.arch == "eagle3"
     make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
-    shards = resumed_shards(args)
-    if shards is None:
-        shards = shard_names(args.first_shard, preset.n_shards)
     layer_ids = eagle3_layer_ids(target.config.n_layer) if eagle3 else None
     data = load_conversations(target, args.data_dir, args.cache_dir, layer_ids, preset.keep_top if eagle3 else 0,
-                              shards)
+                              args.shards)
     if not data["train"] or not data["val"]:
         raise SystemExit(f"no {'training' if not data['train'] else 'validation'} conversations in {args.data_dir}: "
                          f"raise --n_shards or --val_fraction")
     train, val = data["train"], data["val"]
-    info = {"data_dir": str(args.data_dir), "shards": shards, "train_conversations": len(train),
+    info = {"data_dir": str(args.data_dir), "shards": args.shards, "train_conversations": len(train),
             "val_conversations": len(val), "train_tokens": sum(len(r["ids"]) for r in train),
             "train_answer_tokens": int(sum(np.asarray(r["learn"]).sum() for r in train)),
             "two_turn_conversations": sum(r["turns"] == 2 for r in train)}
-    (args.work_dir / "train_data.json").write_text(json.dumps({"shards": shards}))
+    (args.work_dir / "train_data.json").write_text(json.dumps({"shards": args.shards}))
     if not eagle3:
         return data, None, info
     V = target.config.vocab_size
-    counts = np.zeros(V, dtype=np.int64)  # how often each token is an answer token
-    for r in train:
-        counts += np.bincount(np.asarray(r["ids"], dtype=np.int64)[1:][np.asarray(r["learn"], dtype=bool)[:-1]],
-                              minlength=V)
-    counts = torch.from_numpy(counts)
+    answers = [np.asarray(r["ids"], dtype=np.int64)[1:][np.asarray(r["learn"], dtype=bool)[:-1]] for r in train]
+    counts = torch.from_numpy(np.bincount(np.concatenate(answers), minlength=V))  # how often each is an answer
     size = min(preset.draft_vocab_size, V)  # what a vocabulary of this size, a half and a quarter of it hold
     coverage = {str(s): vocab_coverage(val, choose_vocab(counts, s), V)
                 for s in (max(1, size // 4), max(1, size // 2), size)}
@@ -1042,12 +1013,11 @@ def main(argv=None):
     if eagle3 and args.draft_vocab_size is not None and not 1 <= args.draft_vocab_size <= target.config.vocab_size:
         raise SystemExit(f"--draft_vocab_size must be in [1, {target.config.vocab_size}] (the target's vocabulary), "
                          f"got {args.draft_vocab_size}")
-    init, init_record = None, None
-    if args.init_from is not None and not args.data_only:
-        init, preset, init_record = load_init(args, target, preset)
-
     if args.data_only:
         return make_conversations(target, tokenizer, preset, args.data_dir, args.seed, preset.n_shards)
+    init, init_record = None, None
+    if args.init_from is not None:
+        init, preset, init_record = load_init(args, target, preset)
     data, vocab, info_data = conversation_data(target, tokenizer, preset, args,
                                                init.vocab.cpu() if eagle3 and init is not None else None)
     if init is not None and eagle3 and len(vocab) > init.draft_vocab_size:
@@ -1061,25 +1031,9 @@ def main(argv=None):
     target.kv_storage = None
     for layer in target.layers:
         layer.attention.kv_cache = None
-
-    # The bar a new head must beat, on the same held-out data: the better of the head in out_dir
-    # (--force) and the one training starts from (--init_from). A resumed run kept it in its state.
-    baseline = None
+    baseline = None  # a resumed run kept its baseline in its state
     if not (args.work_dir / "train_state.pt").is_file():
-        heads = {}  # resolved path -> (the path as given, the head): one directory is measured once
-        if (args.out_dir / "draft.safetensors").exists():
-            heads[args.out_dir.resolve()] = args.out_dir, load_draft(args.out_dir, target.config, args.device,
-                                                                     torch.float32)
-        if init is not None:
-            heads[args.init_from.resolve()] = args.init_from, init
-        for path, head in heads.values():
-            scores = {"dir": str(path), **head_scores(head, target, data["val"], tau_prompts, tokenizer.stop_ids,
-                                                      preset, args.dtype)}
-            print(f"the head in {path}: validation tau {scores['val_tau']}, accuracy per unrolled step "
-                  f"{[round(a, 4) for a in scores['val_acc']]}", file=sys.stderr)
-            if baseline is None or (val_score(scores["val_acc"], preset.unroll_decay) >
-                                    val_score(baseline["val_acc"], preset.unroll_decay)):
-                baseline = scores
+        baseline = baseline_scores(args, target, init, data["val"], tau_prompts, tokenizer.stop_ids, preset)
 
     def write_record(st, *dirs):
         curve = [sum(st["losses"][i:i + 25]) / len(st["losses"][i:i + 25]) for i in range(0, len(st["losses"]), 25)]
