@@ -12,6 +12,7 @@ estimate when sampling). Measurements are cached per machine, model, head, dtype
 """
 import bisect
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -50,12 +51,8 @@ class ShapeCosts(NamedTuple):
 
     def round(self, top_k: int, depth: int, tokens: int, lookup: int = 0) -> float:
         """A round of a dynamic tree of this shape, plus lookup's chain of nodes in the verify."""
-        first, level = self.grow[top_k]
-        return self.other + first + (depth - 1) * level + self.verify_at(tokens + lookup)
-
-    def verify_at(self, tokens: int) -> float:
-        """verify(tokens); where it was not measured, on the line through the measured sizes."""
-        return on_line(self.verify, tokens)
+        first, level = self.grow[top_k]  # verify: on the line through the measured sizes where not measured
+        return self.other + first + (depth - 1) * level + on_line(self.verify, tokens + lookup)
 
 
 def on_line(points: dict, x: float) -> float:
@@ -77,12 +74,9 @@ def predicted_tau(probes: list, depth: int, tokens: int) -> float:
     for scores, levels, accepted in probes:
         inside = scores[levels <= depth]
         bar = inside.topk(tokens - 1).values[-1] if tokens - 1 < inside.numel() else -float("inf")
-        n = 0
-        for i in accepted:  # the accepted path's prefix that this tree keeps
-            if levels[i] > depth or scores[i] < bar:
-                break
-            n += 1
-        total += 1 + n
+        # the accepted path's prefix that this tree keeps
+        kept = itertools.takewhile(lambda i: levels[i] <= depth and scores[i] >= bar, accepted)
+        total += 1 + len(list(kept))
     return total / len(probes)
 
 
@@ -106,8 +100,7 @@ def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS
                 cost = costs.round(k, d, T, lookup) / costs.step  # lookup's nodes cost, their gain is not counted
                 table.append((tau / cost, tau, cost, dict(tree_top_k=k, tree_depth=d, tree_tokens=T)))
     table.sort(key=lambda row: -row[0])
-    best = table[0] if table and table[0][0] >= min_speedup else None
-    return (None if best is None else best[3]), table
+    return (table[0][3] if table and table[0][0] >= min_speedup else None), table
 
 
 @torch.no_grad()
@@ -121,54 +114,45 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
     only (a level costs about one read of the draft), verify(T) at the ends, linear in between.
     Every rank takes rank 0's timings (tp.from_rank0), so that all choose the same shape."""
     device = model.norm.weight.device
-    sampling = (temperature, top_k, top_p)
-    budget = rounds * (max_depth + 1) + 2 * (max_depth + 1)
-    longest = max(len(p) for p in prompts)
+    budget = (rounds + 2) * (max_depth + 1)
+    largest = max(T for T in tokens if T <= max(most_tokens(k, max_depth) for k in top_ks))
 
-    def seconds(fn, repeats=5, reset=None):
+    def clock():
+        device_sync(device)
+        return time.perf_counter()
+
+    def seconds(fn, reset=lambda: None):
         if cuda_graphs:
             fn = cuda_graph(fn)
-        elif compiled_cpu:  # compiled at the first, untimed call
+        elif compiled_cpu:
             fn = compile_function(fn, device, (model, draft))
         times = []
-        for _ in range(repeats + 1):
-            if reset is not None:
-                reset()
-            device_sync(device)
-            t = time.perf_counter()
+        for _ in range(6):  # the first call untimed: a warm-up, or the compilation
+            reset()
+            t = clock()
             fn()
-            device_sync(device)
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
         return tp.from_rank0(statistics.median(times[1:]))
 
     acceptance, grow, others = {}, {}, []
-    largest = max(T for T in tokens if T <= max(most_tokens(k, max_depth) for k in top_ks))
     for k in top_ks:
         spec = Speculator(model, draft, tree_top_k=k, tree_depth=max_depth,
                           tree_tokens=min(largest, most_tokens(k, max_depth)), temperature=temperature,
                           top_k=top_k, top_p=top_p, stop_ids=stop_ids)
-        spec.setup(1, longest + budget)
-        probes, turn = [], 0
+        spec.setup(1, max(len(p) for p in prompts) + budget)
+        probes, next_prompts = [], itertools.cycle(prompts)
         for i in range(rounds):
-            if i == 0 or bool(spec.done[0]):  # the next prompt, round robin
-                spec.prefill(torch.tensor([prompts[turn % len(prompts)]], device=device), budget)
-                turn += 1
-            device_sync(device)
-            t = time.perf_counter()
+            if i == 0 or bool(spec.done[0]):
+                spec.prefill(torch.tensor([next(next_prompts)], device=device), budget)
+            t = clock()
             root_hidden = spec.catch_up()
-            device_sync(device)
-            caught_up = time.perf_counter() - t
+            caught_up = clock() - t
             tree, pool = spec.grow(root_hidden, with_pool=True)
             logits, features = spec.verify(tree)
-            device_sync(device)
-            t = time.perf_counter()
-            node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
-            path = spec.compact(tree, node)
-            spec.advance(tree, path, n_accepted, bonus, features)
-            device_sync(device)
-            others.append(caught_up + time.perf_counter() - t)
-            m = int(n_accepted[0])
-            accepted = pool.keep[0, path[0, 1:m + 1] - 1].tolist()
+            t = clock()
+            path, n_accepted = finish_round(spec, tree, logits, features)
+            others.append(caught_up + clock() - t)
+            accepted = pool.keep[0, path[0, 1:int(n_accepted[0]) + 1] - 1].tolist()
             probes.append((pool.scores[0].float().cpu(), pool.depth.cpu(), accepted))
         acceptance[k] = probes
         if compiled_cpu and k != max(top_ks):
@@ -184,55 +168,79 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
         # the rest of a round, compiled, from the state a round leaves (restored before each timing)
         tree = spec.grow(spec.catch_up())
         logits, features = spec.verify(tree)
-        state = {name: b.clone() for name, b in spec.named_buffers(recurse=False)}
+        state = [(buffer, buffer.clone()) for buffer in spec.buffers(recurse=False)]
 
         def restore():
-            for name, b in spec.named_buffers(recurse=False):
-                b.copy_(state[name])
+            for buffer, saved in state:
+                buffer.copy_(saved)
 
-        def rest():
-            node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
-            spec.advance(tree, spec.compact(tree, node), n_accepted, bonus, features)
-
-        others = [seconds(spec.catch_up, reset=restore) + seconds(rest, reset=restore)]
-    # verify(T): the target's forward over T tree tokens (a chain) after a real prefix
+        others = [seconds(spec.catch_up, restore)
+                  + seconds(lambda: finish_round(spec, tree, logits, features), restore)]
+    # verify(T): the target's forward over T tree tokens (a chain) after a real prefix; compiled on a
+    # CPU, at the ends only and on the line through the two in between
     spec.prefill(torch.tensor([prompts[0]], device=device), budget)
-    verify = {}
     timed = [T for T in tokens if T <= largest]
-    if compiled_cpu:
-        timed = [min(timed), max(timed)]
-    for T in timed:
+    verify = {}
+    for T in [min(timed), max(timed)] if compiled_cpu else timed:
         parents = torch.arange(-1, T - 1, device=device)[None]
         chain = Tree(spec.root[:, None].expand(1, T).clone(), parents, *tree_structure(parents, T - 1))
         verify[T] = seconds(lambda: model(chain.tokens, spec.prefix_len[:, None] + chain.depth,
                                           model.max_seq_length - T + torch.arange(T, device=device),
                                           TreeMask(spec.prefix_len, chain.ancestors)))
-    if compiled_cpu:  # the rest in between, on the line through the two
-        verify = {T: on_line(verify, T) for T in tokens if T <= largest}
-    token = spec.root.clone()
-    position = spec.prefix_len.clone()
+    verify = {T: on_line(verify, T) for T in timed}
+    token, position = spec.root.clone(), spec.prefix_len.clone()
 
     def step():  # one vanilla decode step, as generate.decode_one_token (in place: a CUDA graph replays it)
-        token.copy_(sample(model(token[:, None], position[:, None])[:, -1], *sampling))
+        token.copy_(sample(model(token[:, None], position[:, None])[:, -1], *spec.sampling))
 
     costs = ShapeCosts(step=seconds(step), verify=verify, grow=grow, other=tp.from_rank0(statistics.median(others)))
     return costs, acceptance
 
 
-def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
-                cuda_graphs: bool = False, compiled_cpu: bool = False, cache_key: Optional[dict] = None,
-                lookup: int = 0, **sampling):
-    """measure_shapes (or its cached result) and choose_shape: (choice, table, costs, how). With
-    cache_key (machine, model, head, dtype, mode, sampling) the measurement is kept in auto_cache_dir()."""
+def finish_round(spec: Speculator, tree: Tree, logits, features) -> tuple:
+    """A round's end after verify, as Speculator.round ends: accept, compact, advance. Returns the
+    accepted path and the number of accepted guesses."""
+    node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
+    path = spec.compact(tree, node)
+    spec.advance(tree, path, n_accepted, bonus, features)
+    return path, n_accepted
+
+
+def auto_tree(model: Transformer, draft, prompts: list, device: str, compiled: bool, files, tree_top_k=None,
+              tree_depth=None, **kwargs) -> Optional[dict]:
+    """auto_shape for a run on device, compiled or not, the tree's top_k and depth fixed where given;
+    cached per machine, files (checkpoint, head: their names, sizes, times), dtypes and mode."""
+    paths = [Path(f) / "draft.safetensors" if Path(f).is_dir() else Path(f) for f in files]
+    key = dict(hardware=torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name(),
+               cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__, host=platform.node(),
+               files=[dict(path=str(p.resolve()), size=p.stat().st_size, mtime=p.stat().st_mtime_ns) for p in paths],
+               dtype=str(model.norm.weight.dtype), draft_dtype=str(draft.layer.ffn_norm.weight.dtype),
+               compiled=compiled)
+    return auto_shape(model, draft, prompts, cuda_graphs=compiled and device.startswith("cuda"),
+                      compiled_cpu=compiled and device == "cpu",
+                      top_ks=AUTO_TOP_K if tree_top_k is None else (tree_top_k,),
+                      depths=range(1, 9) if tree_depth is None else (tree_depth,), cache_key=key, **kwargs)
+
+
+def auto_shape(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, depths=range(1, 9), stop_ids=(),
+               cuda_graphs: bool = False, compiled_cpu: bool = False, cache_key: Optional[dict] = None,
+               lookup: int = 0, **sampling) -> Optional[dict]:
+    """--tree auto: measure_shapes (or its cached result), choose_shape and say why; None for vanilla
+    decoding. With cache_key (machine, model, head, dtype, mode) the measurement is kept in
+    $EAGLE_AUTO_CACHE, else the user's cache."""
     if not prompts or not all(prompts):
         raise ValueError("--tree auto measures on prompts; none was given")
     tokens = AUTO_TOKENS_CPU if compiled_cpu else AUTO_TOKENS
-    cache = None if cache_key is None else auto_cache_dir() / (_digest(dict(
-        cache_key, top_ks=list(top_ks), max_depth=max(depths), tokens=list(tokens), rounds=AUTO_ROUNDS,
-        sampling=sampling, compiled_cpu=compiled_cpu)) + ".pt")
+    cache = None
+    if cache_key is not None:
+        key = dict(cache_key, top_ks=list(top_ks), max_depth=max(depths), tokens=list(tokens), rounds=AUTO_ROUNDS,
+                   sampling=sampling, compiled_cpu=compiled_cpu)
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        cache = Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache/eagle-gpt-fast/auto") / f"{digest}.pt"
     t = time.perf_counter()
     if cache is not None and cache.is_file():
-        costs, acceptance = _read_cache(cache)
+        saved = torch.load(cache, weights_only=True)
+        costs, acceptance = ShapeCosts(**saved["costs"]), saved["acceptance"]
         how = f"read {cache}"
     else:
         costs, acceptance = measure_shapes(model, draft, prompts, top_ks=top_ks, max_depth=max(depths), tokens=tokens,
@@ -245,12 +253,7 @@ def shape_table(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_K, 
             partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
             torch.save({"costs": costs._asdict(), "acceptance": acceptance}, partial)
             os.replace(partial, cache)
-    return (*choose_shape(costs, acceptance, depths, tokens, lookup=lookup), costs, how)
-
-
-def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[dict]:
-    """--tree auto: measure (or read the cache), choose and say why; None for vanilla decoding."""
-    choice, table, costs, how = shape_table(model, draft, prompts, **kwargs)
+    choice, table = choose_shape(costs, acceptance, depths, tokens, lookup=lookup)
     print(f"--tree auto: {how}; a vanilla step takes {costs.step * 1e3:.1f} ms. Best shapes "
           f"(top_k, depth, tokens: predicted tokens per round, round cost in steps, speedup):", file=sys.stderr)
     for speedup, tau, cost, shape in table[:5]:
@@ -262,71 +265,20 @@ def auto_shape(model: Transformer, draft, prompts: list, **kwargs) -> Optional[d
     return choice
 
 
-def auto_tree(model: Transformer, draft, prompts: list, device: str, compiled: bool, files, tree_top_k=None,
-              tree_depth=None, **kwargs) -> Optional[dict]:
-    """auto_shape for a run on device, compiled or not, the tree's top_k and depth fixed where given;
-    cached per machine, files (checkpoint, head: their names, sizes, times), dtypes and mode."""
-    key = dict(machine_key(device), files=[file_key(f) for f in files], dtype=str(model.norm.weight.dtype),
-               draft_dtype=str(draft.layer.ffn_norm.weight.dtype), compiled=compiled)
-    return auto_shape(model, draft, prompts, cuda_graphs=compiled and device.startswith("cuda"),
-                      compiled_cpu=compiled and device == "cpu", top_ks=AUTO_TOP_K if tree_top_k is None else (tree_top_k,),
-                      depths=range(1, 9) if tree_depth is None else (tree_depth,), cache_key=key, **kwargs)
-
-
-def auto_cache_dir() -> Path:
-    """Where --tree auto keeps its measurements: $EAGLE_AUTO_CACHE, else the user's cache."""
-    return Path(os.environ.get("EAGLE_AUTO_CACHE") or Path.home() / ".cache" / "eagle-gpt-fast" / "auto")
-
-
-def cpu_info() -> dict:
-    """The first CPU's fields in /proc/cpuinfo; empty where there is no such file."""
-    info = {}
+def cpu_name() -> str:
+    """The CPU's model name with family, model and AMX where /proc/cpuinfo tells them: the name alone
+    can be the same for two generations whose timings differ."""
+    info = {}  # the first CPU's fields
     if Path("/proc/cpuinfo").is_file():
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             info.setdefault(key.strip(), value.strip())
-    return info
-
-
-def cpu_name() -> str:
-    """The CPU's model name with family, model and AMX where known: the name alone can be the same for
-    two generations whose timings differ."""
-    cpu = platform.processor() or platform.machine()
-    info = cpu_info()
     if not info.get("model name"):
-        return cpu
-    cpu = info["model name"]
-    if info.get("cpu family"):
-        amx = "AMX" if "amx_tile" in info.get("flags", "").split() else "no AMX"
-        cpu += f" (family {info['cpu family']}, model {info.get('model', '?')}, {amx})"
-    return cpu
-
-
-def machine_key(device) -> dict:
-    """The machine, as far as timings depend on it."""
-    hardware = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else cpu_name()
-    return dict(hardware=hardware, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
-                host=platform.node())
-
-
-def file_key(path) -> dict:
-    """A file, as far as its contents matter: name, size and modification time."""
-    path = Path(path)
-    target = path / "draft.safetensors" if path.is_dir() else path
-    stat = target.stat()
-    return dict(path=str(target.resolve()), size=stat.st_size, mtime=stat.st_mtime_ns)
-
-
-def _digest(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def _read_cache(path: Path):
-    saved = torch.load(path, weights_only=True)
-    costs = saved["costs"]
-    costs = ShapeCosts(step=costs["step"], verify={int(k): v for k, v in costs["verify"].items()},
-                       grow={int(k): tuple(v) for k, v in costs["grow"].items()}, other=costs["other"])
-    return costs, {int(k): v for k, v in saved["acceptance"].items()}
+        return platform.processor() or platform.machine()
+    if not info.get("cpu family"):
+        return info["model name"]
+    amx = "AMX" if "amx_tile" in info.get("flags", "").split() else "no AMX"
+    return f"{info['model name']} (family {info['cpu family']}, model {info.get('model', '?')}, {amx})"
 
 
 def probe_prompts(tokenizer, chat: bool = True) -> list:

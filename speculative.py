@@ -215,7 +215,7 @@ class Speculator(nn.Module):
 
     def round(self):
         """One speculative round over all rows; rows that are done are left as they are. Its phases
-        are methods of their own so that research/profile_round.py can time each; compiled, the
+        are methods of their own so that autoshape.py can time each apart; compiled, the
         round is still one graph (they are traced inline)."""
         tree = self.root_tree() if self.draft is None else self.grow(self.catch_up())
         if self.lookup:

@@ -17,9 +17,8 @@ def load_run(path: Path) -> tuple:
     """A benchmark JSON's answers, {(method, question_id, turn, temperature): token ids}, and per
     method the share of them its benchmark found equal to plain decoding's."""
     try:
-        answers = json.loads(path.read_text())["answers"]
         ids, flags = {}, {}
-        for a in answers:
+        for a in json.loads(path.read_text())["answers"]:
             ids[a["method"], a["question_id"], a["turn"], a["temperature"]] = a["ids"]
             flags.setdefault(a["method"], []).append(bool(a["equal_to_vanilla"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -49,14 +48,13 @@ def main(argv=None) -> int:
         (before, before_equal), (after, after_equal) = load_run(args.before), load_run(args.after)
     except ValueError as e:
         p.error(str(e))
-    result = compare(before, after)
-    result.update(before=str(args.before), after=str(args.after),
+    result = dict(compare(before, after), before=str(args.before), after=str(args.after),
                   equal_to_plain=dict(before=before_equal, after=after_equal))
     print(f"{result['identical']}/{result['answers']} answers identical token for token "
           f"({result['only_in_one']} in one run only)")
     for method, m in result["methods"].items():
         print(f"  {method:22s} {m['identical']}/{m['answers']}   equal to plain decoding: "
-              f"before {result['equal_to_plain']['before'][method]:.0%}, after {result['equal_to_plain']['after'][method]:.0%}")
+              f"before {before_equal[method]:.0%}, after {after_equal[method]:.0%}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0 if result["answers"] and result["identical"] == result["answers"] else 1

@@ -6,15 +6,14 @@ profiled kernel by kernel for each T.
 
 T = 1 is a plain decode step's forward; T > 1 is a chain of T nodes in the tree region after a
 --prefix-token prefix, as Speculator.verify passes it (a chain's mask costs what any tree's does).
-Each T is a graph of its own, compiled with Inductor's kernel profiling on, so that the profiler
-sees each generated kernel, GEMM template and library call apart. Per T the report gives the
-forward's median time in plain steps, its GEMMs' FLOPs and weight bytes, and the kernels by self
-time, grouped into GEMMs, attention and the rest. Writes OUT.json and OUT.md.
+Each T is a graph of its own, compiled with Inductor's kernel profiling on, so that the profiler sees
+each generated kernel apart. Per T: the median time in plain steps, the GEMMs' FLOPs and weight
+bytes, and the kernels by self time, grouped into GEMMs, attention and the rest. Writes OUT.json and OUT.md.
 """
 import argparse
 import statistics
 import sys
-import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -27,12 +26,12 @@ import compiling  # noqa: E402
 import invariant  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from model import TreeMask  # noqa: E402
-from profile_round import run_header, write_report  # noqa: E402
+from common import run_header, write_report  # noqa: E402
 from quantize import mode_from_path  # noqa: E402
 
 # How a profiler event's name says what it is (the first rule that matches wins).
-GROUPS = (("GEMM", ("gemm", "template", "mm", "linear", "matmul")), ("attention", ("attention", "flash", "sdpa",
-                                                                                    "softmax")))
+GROUPS = (("GEMM", ("gemm", "template", "mm", "linear", "matmul")),
+          ("attention", ("attention", "flash", "sdpa", "softmax")))
 
 
 def parse_args(argv=None):
@@ -68,29 +67,11 @@ def forward_inputs(model, T: int, prefix: int) -> tuple:
     return tokens, prefix + torch.arange(T)[None], slots, TreeMask(torch.tensor([prefix]), chain)
 
 
-def gemm_cost(model, T: int) -> tuple:
-    """(GFLOP, GB of weights) of the forward's linears over T rows."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    flops = sum(2 * T * m.in_features * m.out_features for m in linears)
-    return flops / 1e9, sum(m.weight.numel() * m.weight.element_size() for m in linears) / 1e9
-
-
-def group(name: str) -> str:
-    lowered = name.lower()
-    return next((g for g, words in GROUPS if any(w in lowered for w in words)), "other")
-
-
 @torch.no_grad()
 def profile(model, forward, T: int, args) -> dict:
     inputs = forward_inputs(model, T, args.prefix)
-    t = time.perf_counter()
-    forward(*inputs)  # compiles
-    compile_s = time.perf_counter() - t
-    seconds = []
-    for _ in range(args.repeats + 3):
-        t = time.perf_counter()
-        forward(*inputs)
-        seconds.append(time.perf_counter() - t)
+    compile_s = timeit.timeit(lambda: forward(*inputs), number=1)  # the first call compiles
+    seconds = timeit.repeat(lambda: forward(*inputs), number=1, repeat=args.repeats + 3)
     with torch.profiler.profile() as prof:
         for _ in range(args.repeats):
             forward(*inputs)
@@ -99,11 +80,13 @@ def profile(model, forward, T: int, args) -> dict:
     ms = {e.key: e.self_cpu_time_total / 1e3 / args.repeats for e in kernels}
     groups = {}
     for name, value in ms.items():
-        kind = group(name)
+        kind = next((g for g, words in GROUPS if any(w in name.lower() for w in words)), "other")
         groups[kind] = groups.get(kind, 0.0) + value
-    gflop, weight_gb = gemm_cost(model, T)
-    return dict(tokens=T, ms=statistics.median(seconds[3:]) * 1e3, compile_s=compile_s, gemm_gflop=gflop,
-                weight_gb=weight_gb, profiled_ms=sum(ms.values()), groups_ms=groups,
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return dict(tokens=T, ms=statistics.median(seconds[3:]) * 1e3, compile_s=compile_s,
+                gemm_gflop=sum(2 * T * m.in_features * m.out_features for m in linears) / 1e9,
+                weight_gb=sum(m.weight.numel() * m.weight.element_size() for m in linears) / 1e9,
+                profiled_ms=sum(ms.values()), groups_ms=groups,
                 kernels=[dict(name=e.key, ms=ms[e.key], calls=e.count / args.repeats) for e in kernels[:args.top]])
 
 
@@ -123,16 +106,15 @@ def main(argv=None):
     step = next((r["ms"] for r in rows if r["tokens"] == 1), None)
     report = dict(run_header("profile_verify.py", argv), dtype=args.dtype, batch_invariant=args.batch_invariant,
                   prefix=args.prefix, context=args.context, step_ms=step, rows=rows)
-    write_report(args.out, report, markdown(report))
+    write_report(args.out, report, *markdown(report))
 
 
-def markdown(report) -> str:
+def markdown(report) -> tuple:
+    """The report's title and lines."""
     step = report["step_ms"]
-    lines = [f"# The compiled target forward over T tokens, {report['dtype']}"
-             f"{', batch-invariant' if report['batch_invariant'] else ''} ({report['threads']} threads, "
-             f"torch {report['torch']})", "", f"- command: `{report['command']}`",
-             f"- hardware: {report['hardware']}; date {report['date']}",
-             f"- a prefix of {report['prefix']} tokens in a cache of {report['context']} slots", "",
+    title = f"The compiled target forward over T tokens, {report['dtype']}" + (
+        ", batch-invariant" if report["batch_invariant"] else "")
+    lines = [f"- a prefix of {report['prefix']} tokens in a cache of {report['context']} slots", "",
              "| T | ms | plain steps | GEMM GFLOP | GEMM ms | attention ms | other ms | compile s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -144,7 +126,7 @@ def markdown(report) -> str:
         lines += ["", f"T = {r['tokens']}: kernels by self time (ms per forward; the profiled sum "
                       f"{r['profiled_ms']:.2f} ms)", "", "| kernel | ms | calls |", "|---|---|---|"]
         lines += [f"| `{k['name'][:90]}` | {k['ms']:.3f} | {k['calls']:.0f} |" for k in r["kernels"]]
-    return "\n".join(lines) + "\n"
+    return title, lines
 
 
 if __name__ == "__main__":

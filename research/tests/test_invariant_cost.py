@@ -20,7 +20,7 @@ def test_invariant_cost_tiny(tiny_checkpoint, tmp_path, monkeypatch):
                                   "--tree_depth", "2", "--tree_tokens", "3", "--turns", "2", "--steps", "3",
                                   "--rounds", "3", "--out", str(out)])
     assert [getattr(t["model"], "invariant_window", None) for t in made] == [None, invariant.WINDOW]
-    assert [len(t["step_s"]) for t in made] == [2, 2] and [len(t["round_s"]) for t in made] == [2, 2]
+    assert [len(t["ms"]["step"]) for t in made] == [2, 2] and [len(t["ms"]["round"]) for t in made] == [2, 2]
     ms = report["ms"]
     assert report["cost"]["step"] == pytest.approx(ms["batch-invariant"]["step"] / ms["plain"]["step"] - 1)
     assert report["cost"]["round"] == pytest.approx(ms["batch-invariant"]["round"] / ms["plain"]["round"] - 1)
