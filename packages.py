@@ -32,14 +32,15 @@ import compiling
 from compiling import render_templates_from_cache, weights_digest
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Experts, WeightOnlyInt8Linear
 from sampling import sample
+from trees import StaticTree
 
 FORMAT = 2  # bump when what a package holds, or how it is called, changes
 ROOT = Path(__file__).resolve().parent
 # Buffers a graph only reads, which the package keeps as constants: stop ids, RoPE tables, the
-# draft's vocabulary, a StaticTree's tensors, and the block the KV caches are views of (a graph
-# reads and writes the views).
-CONSTANT_BUFFERS = ("stop_ids", "kv_storage", "rope_cos", "rope_sin", "vocab",
-                    "parents", "ranks", "depth", "ancestors", "paths")
+# draft's vocabulary and the block the KV caches are views of (a graph reads and writes the views),
+# by name; and every buffer of the modules in CONSTANT_MODULES (a StaticTree's shape).
+CONSTANT_BUFFERS = ("stop_ids", "kv_storage", "rope_cos", "rope_sin", "vocab")
+CONSTANT_MODULES = (StaticTree,)
 # Host-side attributes of a Speculator that no graph reads (adaptive decoding's estimates).
 HOST_ATTRIBUTES = ("pace", "plain_steps")
 QUANTIZED = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)
@@ -80,7 +81,9 @@ class Bound(nn.Module):
     def state(self) -> list:
         """The state tensors, each looked up at every call: setup() replaces them and the caches' modules."""
         if not self.names:  # read once the caches and buffers exist (after setup)
-            self.names = [n for n, _ in self.call.named_buffers() if n.rsplit(".", 1)[-1] not in CONSTANT_BUFFERS]
+            constant = {f"{prefix}.{n}".lstrip(".") for prefix, m in self.call.named_modules()
+                        for n in m._buffers if is_constant(m, n)}
+            self.names = [n for n, _ in self.call.named_buffers() if n not in constant]
             self.paths = [n.split(".") for n in self.names]
         root = self.call  # (a submodule: nn.Module.__getattr__, slow, so once)
         return [buffer(root, path) for path in self.paths]
@@ -88,6 +91,11 @@ class Bound(nn.Module):
     def forward(self, *inputs):
         n = len(inputs) - len(self.names)
         return functional_call(self.call, dict(zip(self.names, inputs[n:])), inputs[:n], strict=False)
+
+
+def is_constant(module: nn.Module, name: str) -> bool:
+    """Whether module's buffer name is one a graph only reads, which a package keeps as a constant."""
+    return name in CONSTANT_BUFFERS or isinstance(module, CONSTANT_MODULES)
 
 
 def buffer(module: nn.Module, path: list) -> torch.Tensor:
@@ -148,7 +156,7 @@ class Packaged:
         hidden = list(exported.graph_signature.buffers_to_mutate.values())
         if hidden:  # the package would update its own copy, and the caller's state would go stale
             raise RuntimeError(f"{self.name} writes buffers it keeps as constants: {', '.join(hidden)} "
-                               f"(packages.CONSTANT_BUFFERS names buffers that a graph only reads)")
+                               f"(packages.CONSTANT_BUFFERS and CONSTANT_MODULES name buffers that a graph only reads)")
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.partial{os.getpid()}.pt2")  # no half-written library at path
         render_templates_from_cache()
@@ -212,7 +220,7 @@ def configuration_digest(module: nn.Module) -> str:
                     or isinstance(value, Packaged):
                 continue
             if attr == "_buffers":  # the constants a package keeps (the KV block's contents are state's)
-                value = {n: b for n, b in value.items() if n in CONSTANT_BUFFERS and n != "kv_storage"}
+                value = {n: b for n, b in value.items() if is_constant(m, n) and n != "kv_storage"}
             elif "hooks" in attr:  # keyed by handle numbers, which count hooks made anywhere in the process
                 value = list(value.values())
             h.update(f"{attr}={describe(value)}".encode())

@@ -7,6 +7,7 @@ import zipfile
 
 import pytest
 import torch
+import torch.nn as nn
 
 import generate as gen
 import packages
@@ -73,6 +74,28 @@ def test_a_packaged_round_over_a_static_tree_decodes_as_plain_decoding(tiny_chec
     spec.setup(1, 64)
     assert speculative_generate(spec, ids, 20)[0][0] == plain
     assert [p.name.split("-")[0] for p in tmp_path.glob("*.so")] == ["round"]
+
+
+def test_constants_are_a_static_trees_buffers_and_the_named_ones_not_any_buffer_of_such_a_name():
+    """A package keeps as constants the buffers a graph only reads: every buffer of a StaticTree and
+    the named ones (RoPE tables, stop ids, ...). A buffer of another module that happens to share a
+    tree buffer's name is state, passed in at every call and left out of the key."""
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tree = static_tree([[0], [1], [0, 0]])
+            self.register_buffer("depth", torch.zeros(3))  # state: a static tree's buffer name, another module
+            self.register_buffer("rope_cos", torch.ones(2))
+
+    holder = Holder()
+    bound = packages.Bound(lambda module, x: x, holder)
+    bound.state()
+    assert bound.names == ["inner.depth"]
+    key = packages.configuration_digest(holder)
+    holder.depth.fill_(1)
+    assert packages.configuration_digest(holder) == key
+    holder.tree.ranks.fill_(0)
+    assert packages.configuration_digest(holder) != key
 
 
 def test_the_key_changes_with_the_weights_tree_dtype_torch_and_settings(tiny_checkpoint, tmp_path, monkeypatch):
