@@ -19,11 +19,13 @@ import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,7 +34,7 @@ from checkpoint import load_draft, load_model, save_draft  # noqa: E402
 from cpu import pack_linears  # noqa: E402
 from draft import Eagle3Draft, EagleDraft, draft_config_for, eagle3_layer_ids  # noqa: E402
 from model import KVCache, apply_rope  # noqa: E402
-from sampling import sample_from  # noqa: E402
+from sampling import cut_at_stop, sample_from  # noqa: E402
 from speculative import Speculator, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -82,8 +84,7 @@ PRESETS = {
                               epochs=4, unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
                               eval_every=250, tau_max_tokens=128),
         "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
-                      lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8, sampled_fraction=0.15,
-                      val_fraction=0.02),
+                      lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8, sampled_fraction=0.15, val_fraction=0.02),
         "tiny": Preset(n_shards=3, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
                        batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25, unroll=3, keep_top=8,
                        draft_vocab_size=256, tau_depth=4, save_every=2),
@@ -167,12 +168,8 @@ def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids,
         logits = model(token[:, None], pos[:, None], kv_len=L + step + 1)  # a finished row's extras are cut below
         token = sample_rows(logits[:, -1], temps, top_k)
         pos += 1
-    out = []
-    for b in range(B):
-        answer = [t for t in answers[b].tolist() if t >= 0]
-        n = next((i + 1 for i, t in enumerate(answer) if t in stop_ids), len(answer))
-        out.append(list(prompts[b]) + answer[:n])
-    return out
+    return [list(prompt) + cut_at_stop([t for t in row if t >= 0], stop_ids)
+            for prompt, row in zip(prompts, answers.tolist())]
 
 
 @torch.no_grad()
@@ -259,11 +256,9 @@ def keep_prompt(text: str, seen: set) -> bool:
     """Self-written prompts: a real sentence, not degenerate, not seen before."""
     words = text.split()
     key = " ".join(words).lower()[:80]
-    if len(words) < 3 or len(text) > 600 or "<|" in text or key in seen:
-        return False
-    if len(words) > 8 and len(set(words)) / len(words) < 0.5:  # repetition loops
-        return False
-    if sum(c.isalpha() for c in text) < 0.5 * len(text):  # mostly digits, symbols or code noise
+    looping = len(words) > 8 and len(set(words)) / len(words) < 0.5  # a repetition loop
+    noise = sum(c.isalpha() for c in text) < 0.5 * len(text)  # mostly digits, symbols or code noise
+    if len(words) < 3 or len(text) > 600 or "<|" in text or key in seen or looping or noise:
         return False
     seen.add(key)
     return True
@@ -387,11 +382,10 @@ def load_conversation_arrays(path: Path) -> dict:
 def load_conversation_shard(path: Path):
     """The conversations of a shard, as make_conversation_shard returned them."""
     s = load_conversation_arrays(path)
-    o = s["offsets"]
-    return [{"ids": s["ids"][o[i]:o[i + 1]].astype(np.int64).tolist(),
-             "assistant": s["assistant"][o[i]:o[i + 1]].tolist(), "split": "val" if s["val"][i] else "train",
-             "temperature": float(s["temperature"][i]), "category": str(s["category"][i]), "turns": int(s["turns"][i])}
-            for i in range(len(o) - 1)]
+    return [{"ids": s["ids"][a:b].astype(np.int64).tolist(), "assistant": s["assistant"][a:b].tolist(),
+             "split": "val" if s["val"][i] else "train", "temperature": float(s["temperature"][i]),
+             "category": str(s["category"][i]), "turns": int(s["turns"][i])}
+            for i, (a, b) in enumerate(pairwise(s["offsets"]))]
 
 
 def shard_names(first: int, end: int):
@@ -426,8 +420,7 @@ def conversation_features(model, shard: Path, s: dict, cache_dir: Path, layer_id
     stamp_file = cache_dir / f"{stem}.json"
     if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
         cache_dir.mkdir(parents=True, exist_ok=True)
-        o = s["offsets"]
-        seqs = [s["ids"][o[i]:o[i + 1]].astype(np.int64).tolist() for i in range(len(o) - 1)]
+        seqs = [s["ids"][a:b].astype(np.int64).tolist() for a, b in pairwise(s["offsets"])]
         rows = target_features(model, seqs, layer_ids, keep_top)
         width = model.config.dim * (1 if layer_ids is None else len(layer_ids))
         for (part, name), dtype in zip(parts.items(), (np.float16, np.uint16, np.float16)):
@@ -446,9 +439,7 @@ def load_conversations(model, data_dir: Path, cache_dir: Path, layer_ids, keep_t
     for name in tqdm(shards, desc="features", unit="shard"):
         s = load_conversation_arrays(data_dir / name)
         feats, top_ids, top_probs = conversation_features(model, data_dir / name, s, cache_dir, layer_ids, keep_top)
-        o = s["offsets"]
-        for i in range(len(o) - 1):
-            a, b = o[i], o[i + 1]
+        for i, (a, b) in enumerate(pairwise(s["offsets"])):
             answer = s["assistant"][a:b]
             if not answer[1:].any():
                 continue
@@ -472,12 +463,8 @@ def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
     """The share of the target's argmax tokens at learned positions that vocab holds (the others cannot be drafted)."""
     inside = np.zeros(vocab_size, dtype=bool)
     inside[vocab.numpy()] = True
-    hit = total = 0
-    for r in records:
-        top1 = np.asarray(r["top_ids"][:, 0], dtype=np.int64)[np.asarray(r["learn"], dtype=bool)]
-        hit += int(inside[top1].sum())
-        total += top1.size
-    return hit / max(1, total)
+    top1 = [np.asarray(r["top_ids"][:, 0], dtype=np.int64)[np.asarray(r["learn"], dtype=bool)] for r in records]
+    return sum(int(inside[t].sum()) for t in top1) / max(1, sum(t.size for t in top1))
 
 
 def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -485,13 +472,6 @@ def index_of_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     index = torch.full((vocab_size,), -1, dtype=torch.long)
     index[vocab.cpu()] = torch.arange(len(vocab))
     return index
-
-
-def warm_start(draft: Eagle3Draft, head_weight: torch.Tensor, norm_weight: torch.Tensor):
-    """The draft's LM head starts as the target's rows of its vocabulary, its final norm as the target's."""
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(head_weight[draft.vocab.to(head_weight.device)])
-        draft.norm.weight.copy_(norm_weight)
 
 
 def widen_vocab(draft: Eagle3Draft, vocab: torch.Tensor, head_weight: torch.Tensor) -> Eagle3Draft:
@@ -521,14 +501,11 @@ def make_batches_by_length(lengths, batch_tokens: int, shuffle: bool, rng: rando
     a batch of short one-turn ones wait."""
     groups = groups or [0] * len(lengths)
     order = sorted(range(len(lengths)), key=lambda i: (groups[i], lengths[i]))
-    batches, current = [], []
+    batches = []
     for i in order:
-        if current and (lengths[i] * (len(current) + 1) > batch_tokens or groups[i] != groups[current[-1]]):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+        if not batches or lengths[i] * (len(batches[-1]) + 1) > batch_tokens or groups[i] != groups[batches[-1][-1]]:
+            batches.append([])
+        batches[-1].append(i)
     if shuffle:
         rng.shuffle(batches)
     return batches
@@ -542,11 +519,7 @@ def make_batches(records, batch_tokens: int, shuffle: bool, rng: random.Random):
 
 def pad_rows(records, key: str, dtype) -> torch.Tensor:
     """records[i][key] ([n_i, ...], numpy or memory-mapped) zero-padded into one tensor [B, max n_i, ...]."""
-    rows = [r[key] for r in records]
-    out = np.zeros((len(rows), max(len(x) for x in rows), *rows[0].shape[1:]), dtype=dtype)
-    for b, x in enumerate(rows):
-        out[b, :len(x)] = x
-    return torch.from_numpy(out)
+    return pad_sequence([torch.from_numpy(np.asarray(r[key], dtype=dtype)) for r in records], batch_first=True)
 
 
 def collate(records, device):
@@ -558,10 +531,7 @@ def collate(records, device):
 class GrowingKV(torch.nn.Module):
     """The draft's KV cache in EAGLE-1/2 training: each unrolled step's keys and values appended, no
     in-place writes, so autograd sees every step."""
-
-    def __init__(self):
-        super().__init__()
-        self.k = self.v = None
+    k = v = None
 
     def update(self, cache_pos, k, v):
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
@@ -576,8 +546,7 @@ def unrolled_mask(n: int, step: int, device) -> torch.Tensor:
     then itself. Keys are all steps' entries, step-major."""
     t = torch.arange(n, device=device)
     blocks = [t[None, :] <= t[:, None] - step + 1]  # true prefix
-    for j in range(2, step + 1):
-        blocks.append(t[None, :] == t[:, None] - step + j)  # the guess made at step j on this chain
+    blocks += [t[None, :] == t[:, None] - step + j for j in range(2, step + 1)]  # the guess of step j on this chain
     return torch.cat(blocks, dim=1)
 
 
@@ -710,7 +679,7 @@ def validate(draft, target, data, preset: Preset, dtype: str, draft_index=None) 
     (the same among those inside)."""
     draft.eval()
     eagle3 = draft_index is not None
-    sums, count = torch.zeros(preset.unroll, 4 if eagle3 else 3), 0
+    sums = torch.zeros(preset.unroll, 4 if eagle3 else 3)
     for batch in make_batches_by_length([len(r["ids"]) for r in data], preset.batch_tokens, False, None,
                                         None if eagle3 else [r["turns"] for r in data]):
         res = batch_losses(draft, target, [data[i] for i in batch], preset, dtype, draft_index, False)
@@ -718,10 +687,9 @@ def validate(draft, target, data, preset: Preset, dtype: str, draft_index=None) 
             sums += torch.tensor([[float(x) for x in r[1:]] for r in res])
         else:  # means of batches, weighted by their conversations
             sums += torch.tensor([[l1, ce, acc] for _, l1, ce, acc in res]) * len(batch)
-            count += len(batch)
     draft.train()
     if not eagle3:
-        return dict(zip(("val_smooth_l1", "val_ce", "val_acc"), (sums / count).T.tolist()))
+        return dict(zip(("val_smooth_l1", "val_ce", "val_acc"), (sums / len(data)).T.tolist()))
     ce_sum, hits, n_sel, n_answer = sums.unbind(-1)
     scores = (ce_sum / n_sel.clamp(min=1), hits / n_answer.clamp(min=1), hits / n_sel.clamp(min=1))
     return {name: x.tolist() for name, x in zip(("val_ce", "val_acc", "val_acc_in_vocab"), scores)}
@@ -776,13 +744,16 @@ def baseline_scores(args, target, init, val, tau_prompts, stop_ids, preset: Pres
 
 
 def make_draft(target, arch: str, vocab, head_weight, init):
-    """A copy of `init` (--init_from) or a fresh head (EAGLE-3: over vocab, its LM head warm-started)."""
+    """A copy of `init` (--init_from) or a fresh head. EAGLE-3's is over vocab, its LM head warm-started
+    as the target's rows of that vocabulary (head_weight [vocab, dim]), its final norm as the target's."""
     if init is not None:
         return copy.deepcopy(init).requires_grad_(True)
     if arch == "eagle3":
         draft = Eagle3Draft(draft_config_for(target.config), len(vocab), eagle3_layer_ids(target.config.n_layer))
         draft.vocab.copy_(vocab)
-        warm_start(draft, head_weight, target.norm.weight)
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(head_weight[draft.vocab.to(head_weight.device)])
+            draft.norm.weight.copy_(target.norm.weight)
         return draft
     return EagleDraft(draft_config_for(target.config))
 

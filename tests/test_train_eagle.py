@@ -546,8 +546,7 @@ def test_warm_start_copies_the_target_rows():
     with torch.no_grad():
         target.norm.weight.normal_()
     vocab = torch.tensor([3, 17, 18, 100, 511])
-    draft = random_eagle3_draft(target, vocab)
-    te.warm_start(draft, target.output.weight, target.norm.weight)
+    draft = te.make_draft(target, "eagle3", vocab, target.output.weight, None)
     for i, t in enumerate(vocab.tolist()):
         assert torch.equal(draft.lm_head.weight[i], target.output.weight[t])
     assert torch.equal(draft.norm.weight, target.norm.weight)
