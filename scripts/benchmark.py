@@ -24,6 +24,7 @@ import shlex
 import sys
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,10 +67,8 @@ DEFAULT_QUESTIONS = next((f for f in QUESTION_FILES if f.is_file()), QUESTION_FI
 
 
 def tree_tokens_arg(value: str):
-    if value == "auto":
-        return value
     try:
-        return int(value)
+        return value if value == "auto" else int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {value!r}") from None
 
@@ -163,9 +162,8 @@ def parse_args(argv=None):
         check(args.question_file.is_file(), f"--question_file not found: {args.question_file}")
         check(args.checkpoint_path.is_file(),
               f"checkpoint not found: {args.checkpoint_path} (prepare one with scripts/prepare.sh)")
-        args.draft_checkpoint_path = args.draft_checkpoint_path or args.checkpoint_path.parent / "eagle"
-        args.draft3_checkpoint_path = args.draft3_checkpoint_path or args.checkpoint_path.parent / "eagle3"
-        heads = {"eagle": args.draft_checkpoint_path, "eagle3": args.draft3_checkpoint_path}
+        heads = {head: getattr(args, flag) or args.checkpoint_path.parent / head for head, (flag, _) in HEADS.items()}
+        args.draft_checkpoint_path, args.draft3_checkpoint_path = heads["eagle"], heads["eagle3"]
         if args.methods is None:  # every method whose head is on disk
             args.methods = [m for m in METHODS[1:] if HEAD_OF[m] is None or heads[HEAD_OF[m]].exists()]
         args.methods = ["vanilla"] + [m for m in METHODS[1:] if m in args.methods]
@@ -228,8 +226,7 @@ def write_json(path: Path, report: dict):
 
 
 def seconds_per_call(fn, calls: int, device: str, warmup: int = 3) -> float:
-    """Mean time of fn() over back-to-back calls (one sync at each end), after warm-up calls that
-    compile and record CUDA graphs."""
+    """Mean time of fn() over back-to-back calls (one sync at each end), after warm-ups (compiles, CUDA graphs)."""
     for _ in range(warmup):
         fn()
     device_sync(device)
@@ -274,14 +271,12 @@ def plain_decoders(args, model: Transformer, stop_ids, name: str, compiled: bool
         if args.compile_prefill:
             first = compile_prefill(gen.prefill, args.device, model)
 
-    def plain(T):
-        def decode(prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
-            prompt = torch.tensor([prompt_ids], device=args.device)
-            ids = gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T, prefill_fn=first,
-                               decode_fn=step)[0]
-            return ids, gen.Forwards([1] * (len(ids) - 1))  # one token per forward after the prefill
-        return decode
-    return {(name, T): plain(T) for T in args.temperatures}, step
+    def decode(T, prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
+        prompt = torch.tensor([prompt_ids], device=args.device)
+        ids = gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T, prefill_fn=first,
+                           decode_fn=step)[0]
+        return ids, gen.Forwards([1] * (len(ids) - 1))  # one token per forward after the prefill
+    return {(name, T): partial(decode, T) for T in args.temperatures}, step
 
 
 # ---- MT-bench --------------------------------------------------------------------------------
@@ -311,11 +306,9 @@ def load_questions(path: Path, n=None) -> list:
 def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
     """The prompt ids of q's turn (0-based) in the chat template: its user turns up to `turn`, each
     earlier one followed by its answer in answers."""
-    messages = []
-    for i in range(turn + 1):
-        messages.append({"role": "user", "content": q["turns"][i]})
-        if i < turn:
-            messages.append({"role": "assistant", "content": answers[i]})
+    messages = [{"role": "user", "content": q["turns"][0]}]
+    for i in range(turn):
+        messages += [{"role": "assistant", "content": answers[i]}, {"role": "user", "content": q["turns"][i + 1]}]
     return tokenizer.apply_chat_template(messages)
 
 
@@ -346,16 +339,15 @@ def dynamic_shape(args, method: str, T: float, model: Transformer, drafts: dict,
         return dict(tree_top_k=args.tree_top_k or TREE_TOP_K, tree_depth=depth or TREE_DEPTH[method],
                     tree_tokens=args.tree_tokens)
     head = args.draft3_checkpoint_path if method == "eagle3" else args.draft_checkpoint_path
-    draft = drafts[HEAD_OF[method]]
     print(f"{method} at temperature {T:g}:", file=sys.stderr)
-    return auto_tree(model, draft, probes, args.device, args.compile, (args.checkpoint_path, head), args.tree_top_k,
-                     depth, stop_ids=stop_ids, temperature=T)
+    return auto_tree(model, drafts[HEAD_OF[method]], probes, args.device, args.compile, (args.checkpoint_path, head),
+                     args.tree_top_k, depth, stop_ids=stop_ids, temperature=T)
 
 
 def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: int, probes) -> tuple:
-    """({(method, T): decode(prompt_ids, max_new_tokens, warm_up=False) -> (ids, Forwards)}, the tree shapes, vanilla's
-    step). All methods share the target, the drafts and their caches, allocated once for the largest
-    tree before anything is compiled."""
+    """({(method, T): decode(prompt_ids, max_new_tokens, warm_up=False) -> (ids, Forwards)}, the tree shapes,
+    the Speculators, vanilla's step). All methods share the target, the drafts and their caches, allocated once
+    for the largest tree before anything is compiled."""
     shapes = tree_shapes(args, model, drafts, probes, stop_ids)
     specs = {key: Speculator(model, drafts.get(HEAD_OF[key[0]]), stop_ids=stop_ids, temperature=key[1], **shape)
              for key, shape in shapes.items() if shape is not None}
@@ -373,7 +365,7 @@ def build_decoders(args, model: Transformer, drafts: dict, stop_ids, context: in
                 decoders[method, T] = gen.speculative_decoder(args, specs[method, T], context, method in ADAPTIVE)
             else:  # --tree_tokens auto chose plain decoding
                 decoders[method, T] = decoders["vanilla", T]
-    return decoders, shapes, step
+    return decoders, shapes, specs, step
 
 
 def build_peers(args, model: Transformer, stop_ids) -> dict:
@@ -384,43 +376,40 @@ def build_peers(args, model: Transformer, stop_ids) -> dict:
     hf = convert_hf_checkpoint.hf_model_from_ours(model)
     stop = sorted(stop_ids)
 
-    def peer(options):
-        def decode(prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
-            prompt = torch.tensor([prompt_ids], device=args.device)
-            lengths = []
+    def decode(options, prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
+        prompt = torch.tensor([prompt_ids], device=args.device)
+        lengths = []
 
-            def record_length(input_ids, scores, **kwargs):  # checked once per forward; never stops
-                lengths.append(input_ids.shape[1])
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        def record_length(input_ids, scores, **kwargs):  # checked once per forward; never stops
+            lengths.append(input_ids.shape[1])
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-            with torch.inference_mode():
-                out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                                  eos_token_id=stop or None, pad_token_id=stop[0] if stop else None, use_cache=True,
-                                  stopping_criteria=[record_length], **options)
-            # counted as our rounds: the first forward is the prefill (prompt lookup may emit more there)
-            return out[0, len(prompt_ids):].tolist(), gen.Forwards([b - a for a, b in zip(lengths, lengths[1:])])
-        return decode
+        with torch.inference_mode():
+            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                              eos_token_id=stop or None, pad_token_id=stop[0] if stop else None, use_cache=True,
+                              stopping_criteria=[record_length], **options)
+        # counted as our rounds: the first forward is the prefill (prompt lookup may emit more there)
+        return out[0, len(prompt_ids):].tolist(), gen.Forwards([b - a for a, b in zip(lengths, lengths[1:])])
 
     decoders = {}
     for T in args.temperatures:  # the whole distribution, as ours (generate's default keeps the top 50)
         options = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
-        decoders["hf", T] = peer(options)
-        decoders["hf_prompt_lookup", T] = peer(dict(options, prompt_lookup_num_tokens=args.lookup_alone))
+        decoders["hf", T] = partial(decode, options)
+        decoders["hf_prompt_lookup", T] = partial(decode, dict(options, prompt_lookup_num_tokens=args.lookup_alone))
     return decoders
 
 
-def summarize(answers: list, header_fields: dict, peaks: dict, shapes: dict) -> list:
+def summarize(answers: list, header_fields: dict, peaks: dict, specs: dict) -> list:
     """One record per method x temperature x category ("overall" first): tok/s, speedup over vanilla in
     the same group, tau (tokens per target forward, bonus included), adaptive decoding's plain steps and
-    tau over the rounds alone, at T=0 the fraction of answers equal to vanilla's, and the tree's size."""
+    tau over the rounds alone, at T=0 the fraction of answers equal to vanilla's, and the tokens a round verifies."""
     records, groups = [], {}
     for a in answers:
         for category in ("overall", a["category"]):
             groups.setdefault((a["method"], a["temperature"], category), []).append(a)
     for (method, T, category), group in groups.items():
-        tokens, seconds = sum(a["tokens"] for a in group), sum(a["seconds"] for a in group)
-        rounds, accepted = sum(a["rounds"] for a in group), sum(a["accepted"] for a in group)
-        plain_steps = sum(a["plain_steps"] for a in group)  # each emitted 1 token
+        tokens, seconds, rounds, accepted, plain_steps = (  # a plain step emits 1 token
+            sum(a[key] for a in group) for key in ("tokens", "seconds", "rounds", "accepted", "plain_steps"))
         records.append(dict(
             header_fields, method=method, temperature=T, category=category,
             questions=len({a["question_id"] for a in group}), answers=len(group), tokens=tokens, rounds=rounds,
@@ -428,19 +417,12 @@ def summarize(answers: list, header_fields: dict, peaks: dict, shapes: dict) -> 
             mean_accepted=accepted / rounds if rounds else None, plain_steps=plain_steps,
             round_tau=(accepted - plain_steps) / (rounds - plain_steps) if rounds > plain_steps else None,
             equal_to_vanilla=(sum(a["equal_to_vanilla"] for a in group) / len(group)) if T == 0 else None,
-            peak_memory_gb=peaks[method, T], tree_tokens=tree_size(shapes.get((method, T)))))
+            peak_memory_gb=peaks[method, T], tree_tokens=specs[method, T].n_nodes if (method, T) in specs else None))
     vanilla = {(r["temperature"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "vanilla"}
     for r in records:
         r["speedup"] = r["tokens_per_s"] / vanilla[r["temperature"], r["category"]]
     order = {m: i for i, m in enumerate(METHODS + PEERS + (EAGER_FLOAT32, NOT_INVARIANT))}
     return sorted(records, key=lambda r: (r["category"] != "overall", r["category"], r["temperature"], order[r["method"]]))
-
-
-def tree_size(shape):
-    """Tokens a round of this shape verifies, root and lookup nodes included; None without a shape (plain decoding)."""
-    if shape is None:
-        return None
-    return (shape["static"].parents.numel() if "static" in shape else shape.get("tree_tokens", 1)) + shape.get("lookup", 0)
 
 
 def run_mt_bench(args, argv=None) -> dict:
@@ -467,7 +449,7 @@ def run_mt_bench(args, argv=None) -> dict:
     if not args.compile:  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
         for module in (model, *drafts.values()):
             pack_linears(module)
-    decoders, shapes, step = build_decoders(args, model, drafts, stop_ids, context, probe_prompts(tokenizer))
+    decoders, shapes, specs, step = build_decoders(args, model, drafts, stop_ids, context, probe_prompts(tokenizer))
     for name, wanted, copy_dtype, compiled in ((EAGER_FLOAT32, args.eager_float32, torch.float32, False),
                                                (NOT_INVARIANT, args.batch_invariant, dtype, args.compile)):
         if wanted:  # plain decoding of a copy of the target: eager float32, or without the mode
@@ -484,8 +466,7 @@ def run_mt_bench(args, argv=None) -> dict:
         decode(probe_ids, min(args.max_new_tokens, gen.WARM_UP_TOKENS), warm_up=True)
     # vanilla's step against the copy bandwidth, in this run, before the answers
     step_s = seconds_per_call(step_timer(model, step, torch.tensor([probe_ids], device=device)), 40, device)
-    weight_bytes = gen.model_bytes_per_token(model)
-    copy_gb_s = copy_bandwidth_gb_s(device)
+    weight_bytes, copy_gb_s = gen.model_bytes_per_token(model), copy_bandwidth_gb_s(device)
     decode_step = dict(decode_speed(step_s, weight_bytes, copy_gb_s), weight_bytes=weight_bytes, copy_gb_s=copy_gb_s)
 
     answers, peaks, asked = [], {key: 0.0 for key in decoders}, []
@@ -529,11 +510,9 @@ def run_mt_bench(args, argv=None) -> dict:
 
     fields = dict(header(args, argv), model=args.checkpoint_path.parent.name)
     if args.peers:
-        import transformers
-
-        fields["transformers"] = transformers.__version__
+        fields["transformers"] = importlib.import_module("transformers").__version__
     records = summarize(answers, {k: fields[k] for k in ("hardware", "model", "dtype", "compiled", "date", "command")},
-                        peaks, shapes)
+                        peaks, specs)
     return dict(fields, mode="mt_bench", weight_bytes_per_rank=tp.weight_bytes(model), decode_step=decode_step,
                 drafts={head: str(paths[head]) for head in drafts}, question_file=str(args.question_file),
                 questions=len(asked), questions_left_out=len(questions) - len(asked),
@@ -716,10 +695,9 @@ def run_random_weights(args, argv=None) -> dict:
 
 
 def tp_step_timing(model: Transformer, plain_step, step_s: float, args) -> dict:
-    """(d) --tp_timing: the tensor-parallel step (step_s) against the same step without its all-reduces
-    (each rank computes its shard and nothing else: wrong tokens, the same work) and against the
-    all-reduces alone, chained as in the model. If the step is its compute plus its collectives,
-    step = without + all-reduces."""
+    """(d) --tp_timing: the tensor-parallel step (step_s) against the same step without its all-reduces (each
+    rank computes its shard and nothing else: wrong tokens, the same work) and against the all-reduces alone,
+    chained as in the model. If the step is its compute plus its collectives, step = without + all-reduces."""
     n = tp.set_all_reduces(model, False)
     local_s = seconds_per_call(plain_step(), args.steps, args.device)
     tp.set_all_reduces(model, True)
@@ -785,10 +763,7 @@ def main(argv=None):
         return None
     try:  # under torchrun: this rank's part of the target, and its device (tp.py)
         args.shard, args.device = tp.start(args.device, args.tp_timeout, vars(args))
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    torch.manual_seed(args.seed)
-    try:
+        torch.manual_seed(args.seed)
         report = run_random_weights(args, argv) if args.random_weights else run_mt_bench(args, argv)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

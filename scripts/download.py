@@ -6,7 +6,6 @@ Needs network access to the hub and `pip install huggingface_hub`; gated repos (
 also need an access token (--hf_token or the HF_TOKEN environment variable) from an account
 that has accepted the model's license. Re-running resumes and skips files already there.
 """
-
 import argparse
 import os
 import sys
@@ -19,20 +18,18 @@ CONFIG_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt"]
 IGNORE_PATTERNS = ["original/*", "consolidated*", "*.pth", "*.onnx*", "*.gguf", "*.h5", "*.msgpack"]
 
 
-def main() -> int:
+def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo_id", required=True, help="hub repo id, e.g. meta-llama/Llama-2-7b-chat-hf")
-    parser.add_argument("--checkpoint_dir", type=Path, default=None, help="default: checkpoints/REPO_ID")
-    parser.add_argument("--hf_token", default=None, help="access token for gated repos (default: $HF_TOKEN)")
+    parser.add_argument("--checkpoint_dir", type=Path, help="default: checkpoints/REPO_ID")
+    parser.add_argument("--hf_token", help="access token for gated repos (default: $HF_TOKEN)")
     args = parser.parse_args()
     checkpoint_dir = args.checkpoint_dir or Path("checkpoints") / args.repo_id
     token = args.hf_token or os.environ.get("HF_TOKEN") or None
-
     try:
         from huggingface_hub import HfApi, snapshot_download
     except ImportError:
-        print("error: huggingface_hub is not installed: pip install huggingface_hub", file=sys.stderr)
-        return 1
+        sys.exit("error: huggingface_hub is not installed: pip install huggingface_hub")
 
     try:
         # Prefer safetensors; fall back to PyTorch *.bin files only when the repo has none.
@@ -41,19 +38,15 @@ def main() -> int:
         snapshot_download(args.repo_id, local_dir=checkpoint_dir, allow_patterns=CONFIG_PATTERNS + weights,
                           ignore_patterns=IGNORE_PATTERNS, token=token)
     except Exception as e:  # the hub's error classes moved between versions: match by name
-        names = {cls.__name__ for cls in type(e).__mro__}
         print(f"error: downloading {args.repo_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
         hint = "check the network connection and the repo id, then rerun (downloads resume)."
-        if "GatedRepoError" in names or "RepositoryNotFoundError" in names:
+        if {"GatedRepoError", "RepositoryNotFoundError"} & {cls.__name__ for cls in type(e).__mro__}:
             hint = ("the repo is gated or private (or the id is misspelled). Accept the model's license on its hub "
                     "page, create an access token in your account settings, and pass it with --hf_token TOKEN or the "
                     "HF_TOKEN environment variable.")
-        print(f"hint: {hint}", file=sys.stderr)
-        return 1
-
+        sys.exit(f"hint: {hint}")
     print(f"downloaded {args.repo_id} into {checkpoint_dir}/")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -4,9 +4,8 @@
     python scripts/quantize_checkpoint.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
     python scripts/quantize_checkpoint.py --draft --checkpoint_path checkpoints/NAME/eagle --mode int8
 
-write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming), or
-draft_int8.safetensors / draft_int4.g32.safetensors beside the draft; generate.py reads the mode
-from the file name:
+write model_int8.pth / model_int4.g32.pth beside model.pth (gpt-fast naming), or draft_int8.safetensors /
+draft_int4.g32.safetensors beside the draft; generate.py reads the mode from the file name:
 
     python generate.py --checkpoint_path checkpoints/NAME/model_int8.pth --speculate eagle2 \\
         --draft_checkpoint_path checkpoints/NAME/eagle/draft_int8.safetensors
@@ -24,42 +23,27 @@ import quantize  # noqa: E402
 from checkpoint import DRAFT_WEIGHTS, draft_files, load_draft, load_model  # noqa: E402
 
 
-def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
-    """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; returns the new path."""
-    path = Path(path)
-    out = _quantized_path(path, "model.pth", mode, groupsize, force)
-    model = load_model(path, "cpu", dtype=None)  # dtype None: the float parts keep the file's dtype
-    for line in quantize.quantize_model(model, mode, groupsize):
-        print(line)
-    if model.config.tie_embeddings:
-        print("  tied LM head: quantized as its own copy; tok_embeddings.weight stays in float")
-    torch.save(model.state_dict(), out)
-    return _report_written(out, path)
-
-
-def quantize_draft(path, mode: str, groupsize: int = 32, force: bool = False) -> Path:
-    """An EAGLE draft folder (or its draft.safetensors) -> draft_int8.safetensors /
-    draft_int4.gNN.safetensors in the same folder; returns the new path."""
-    _, _, weights = draft_files(path)
-    out = _quantized_path(weights, DRAFT_WEIGHTS, mode, groupsize, force)
-    draft = load_draft(weights)  # no target at hand to check it against
-    for line in quantize.quantize_model(draft, mode, groupsize):
-        print(line)
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(out))
-    return _report_written(out, weights)
-
-
-def _quantized_path(source: Path, float_name: str, mode: str, groupsize: int, force: bool) -> Path:
-    """Where source's quantized copy goes: refused for a quantized source, or an existing copy without force."""
+def quantize_checkpoint(path, mode: str, groupsize: int = 32, force: bool = False, draft: bool = False) -> Path:
+    """model.pth -> model_int8.pth / model_int4.gNN.pth beside it; with draft, an EAGLE draft folder (or its
+    draft.safetensors) -> draft_int8.safetensors / draft_int4.gNN.safetensors in the same folder. Returns the
+    new path; refuses a quantized source, and an existing copy without force."""
+    source = draft_files(path)[2] if draft else Path(path)
     if quantize.mode_from_path(source)[0] is not None:
+        float_name = DRAFT_WEIGHTS if draft else "model.pth"
         raise ValueError(f"{source.name} is already quantized: quantize the float {float_name}")
     out = quantize.quantized_path(source, mode, groupsize)
     if out.exists() and not force:
         raise FileExistsError(f"refusing to overwrite {out}: pass --force to replace it")
-    return out
-
-
-def _report_written(out: Path, source: Path) -> Path:
+    # a draft has no target at hand to check it against; dtype None: the float parts keep the file's dtype
+    model = load_draft(source) if draft else load_model(source, "cpu", dtype=None)
+    for line in quantize.quantize_model(model, mode, groupsize):
+        print(line)
+    if draft:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out))
+    else:
+        if model.config.tie_embeddings:
+            print("  tied LM head: quantized as its own copy; tok_embeddings.weight stays in float")
+        torch.save(model.state_dict(), out)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB; {source.name}: {source.stat().st_size / 1e6:.1f} MB)")
     return out
 
@@ -69,8 +53,8 @@ def main(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct/model.pth"),
                    help="model.pth; with --draft, an EAGLE draft folder or its draft.safetensors")
     p.add_argument("--mode", choices=["int8", "int4"], required=True)
-    p.add_argument("--groupsize", type=int, default=None,
-                   help=f"int4: input columns per scale/zero, one of {', '.join(map(str, quantize.GROUPSIZES))} (default 32)")
+    p.add_argument("--groupsize", type=int, help="int4: input columns per scale/zero, one of "
+                   f"{', '.join(map(str, quantize.GROUPSIZES))} (default 32)")
     p.add_argument("--draft", action="store_true", help="quantize an EAGLE draft instead of a target model")
     p.add_argument("--force", action="store_true", help="overwrite an existing quantized file")
     args = p.parse_args(argv)
@@ -80,8 +64,7 @@ def main(argv=None):
     try:
         if args.mode == "int4":
             quantize.check_groupsize(groupsize)
-        write = quantize_draft if args.draft else quantize_checkpoint
-        return write(args.checkpoint_path, args.mode, groupsize, args.force)
+        return quantize_checkpoint(args.checkpoint_path, args.mode, groupsize, args.force, args.draft)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         sys.exit(f"error: {e}")
 
