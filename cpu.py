@@ -3,8 +3,7 @@
 torch's eager bf16/fp16 matmul on a CPU reorders the weight into oneDNN's blocked layout on every
 call; PackedLinear reorders it once. Compiled runs keep nn.Linear: Inductor's freezing packs weights
 itself, and cannot trace these opaque ones. float32 keeps torch's own kernels: packing gains little
-there, and float32 runs are the reference that speculative output is checked against.
-"""
+there, and float32 runs are the reference that speculative output is checked against."""
 import torch
 import torch.nn as nn
 from torch import Tensor

@@ -1,9 +1,7 @@
-"""The defaults of a run, in one table, keyed on what a library reports about the machine: the
-device, whether the run is compiled, and whether the CPU has AMX tiles. Where no reported capability
-separates machines that measured apart, a row takes the default that is the same on every CPU of its
-kind (bfloat16 is the compiled CPU dtype everywhere, though float32 measured faster on one CPU
-generation: benchmarks/RESULTS.md, "CPU dtype").
-"""
+"""The defaults of a run, in one table, keyed on what a library reports about the machine: the device, whether the
+run is compiled, and whether the CPU has AMX tiles. Where no reported capability separates machines that measured
+apart, a row takes the default that is the same on every CPU of its kind (bfloat16 is the compiled CPU dtype
+everywhere, though float32 measured faster on one CPU generation: benchmarks/RESULTS.md, "CPU dtype")."""
 from typing import NamedTuple, Optional
 
 import torch
@@ -61,10 +59,8 @@ def lookup(r: Row, speculate: str) -> int:
     return {"none": 0, "lookup": LOOKUP_ALONE, "eagle": LOOKUP_STATIC}.get(speculate, r.lookup)
 
 
-def invariant(r: Row, dtype: str, quantized: Optional[str]) -> bool:
-    """The row's batch-invariant default for a file (quantized: None, "int8" or "int4") in dtype:
-    quantized files only where Inductor's templates keep their rows invariant (quantize.py)."""
-    if not r.invariant or dtype not in ("bfloat16", "float32", "float16"):
-        return False
-    return (quantized is None or quantized == "int8" and INDUCTOR_INT8_ROWS_INVARIANT
-            or quantized == "int4" and INDUCTOR_INT4_ROWS_INVARIANT)
+def invariant(r: Row, quantized: Optional[str]) -> bool:
+    """The row's batch-invariant default for a file (quantized: None, "int8" or "int4"): quantized
+    files only where Inductor's templates keep their rows invariant (quantize.py)."""
+    return r.invariant and (quantized is None or quantized == "int8" and INDUCTOR_INT8_ROWS_INVARIANT
+                            or quantized == "int4" and INDUCTOR_INT4_ROWS_INVARIANT)

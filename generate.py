@@ -5,8 +5,7 @@
 The decode step is one compiled graph (CUDA graphs on GPU), and so is a speculative round
 (speculative.py). The next token never leaves the device: the host looks at generated tokens
 only to stream them or, every few steps, to stop at an end-of-turn token. What is not given on
-the command line comes from defaults.py's table. Under torchrun the target is sharded (tp.py).
-"""
+the command line comes from defaults.py's table. Under torchrun the target is sharded (tp.py)."""
 import argparse
 import itertools
 import json
@@ -29,7 +28,7 @@ from compiling import compile_prefill, compile_round, compile_step, device_sync,
 from cpu import pack_linears, packed_bytes
 from model import Transformer
 from quantize import mode_from_path
-from sampling import all_stopped, cut_at_stop, sample
+from sampling import cut_at_stop, is_stop, sample
 from speculative import Speculator, speculative_generate
 from tokenizer import TextStreamer, load_tokenizer
 from trees import mc_sim_7b_63, static_tree
@@ -69,17 +68,16 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, tempera
     token = prefill_fn(model, prompt, temperature, top_k, top_p)
     out[:, 0] = token
     input_pos = torch.tensor([L], device=prompt.device)
-    n = 1
-    while True:
+    for n in range(1, max_new_tokens + 1):  # n tokens are out; the last n ends the loop
         if callback is not None:
             callback(out[:, n - 1])
         # Stop checks are the only host syncs: every step while streaming, else every few steps.
-        if n == max_new_tokens or ((callback is not None or n % STOP_CHECK_EVERY == 0) and all_stopped(out[:, :n], stop)):
+        check = stop.numel() and (callback is not None or n % STOP_CHECK_EVERY == 0)
+        if n == max_new_tokens or (check and bool(is_stop(out[:, :n], stop).any(dim=1).all())):  # every row stopped
             break
         token = decode_fn(model, token.clone(), input_pos, temperature, top_k, top_p)
         out[:, n] = token
         input_pos += 1
-        n += 1
     return [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
 
 
@@ -179,54 +177,49 @@ def check_args(args):
     """Check args and fill in what defaults.py decides (a ValueError says what is wrong, in one line each)."""
     if args.compile is None:
         args.compile = defaults.compile_by_default(args.device, tp.launched_by_torchrun())
-    errors = []
-    if args.temperature < 0:
-        errors.append(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        errors.append(f"--top_k must be >= 1, got {args.top_k}")
-    if args.max_new_tokens < 1:
-        errors.append(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.interactive and tp.launched_by_torchrun():
-        errors.append("--interactive reads the terminal in one process; under torchrun pass --prompt")
-    if args.compare and (args.speculate == "none" or args.interactive):
-        errors.append("--compare puts plain decoding beside --speculate METHOD, for one prompt (not --interactive)")
-    if args.prompt.startswith("@"):
-        if not Path(args.prompt[1:]).is_file():
-            errors.append(f"--prompt {args.prompt}: file not found")
-        else:
-            args.prompt = Path(args.prompt[1:]).read_text()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        errors.append(f"--device {args.device} requested but CUDA is not available")
+    prompt_file = Path(args.prompt[1:]) if args.prompt.startswith("@") else None
+    tree_file = isinstance(args.tree, str) and args.tree.endswith(".json")
+    takes_draft = args.speculate not in ("none", "lookup")
+    if takes_draft and args.draft_checkpoint_path is None:
+        args.draft_checkpoint_path = args.checkpoint_path.parent / SPECULATE[args.speculate]["folder"]
     missing = missing_cpu_compile_settings() if args.compile and args.device == "cpu" else []
-    if missing:
-        errors.append(f"--compile on a CPU needs {', '.join(missing)}, which torch {torch.__version__} lacks: "
-                      f"upgrade torch or run without --compile")
-    if isinstance(args.tree, str) and args.tree.endswith(".json"):
-        if args.speculate != "eagle":
-            errors.append("--tree FILE.json sets the static tree of --speculate eagle")
-        elif not Path(args.tree).is_file():
-            errors.append(f"--tree file not found: {args.tree}")
-    elif args.tree is not None and args.speculate not in ("eagle2", "eagle3"):
-        errors.append("--tree TOP_K,DEPTH,TOKENS (or auto) sizes the dynamic trees of eagle2 and eagle3")
-    if args.lookup is not None and (args.lookup < 0 or (args.speculate == "lookup" and args.lookup < 1)):
-        errors.append(f"--lookup must be >= 0 (>= 1 with --speculate lookup), got {args.lookup}")
-    if args.speculate == "lookup" and args.draft_checkpoint_path:
-        errors.append("--speculate lookup has no draft: --lookup sets how many tokens it guesses")
-    if args.speculate not in ("none", "lookup"):
-        if args.draft_checkpoint_path is None:
-            args.draft_checkpoint_path = args.checkpoint_path.parent / SPECULATE[args.speculate]["folder"]
-        if not args.draft_checkpoint_path.exists():
-            errors.append(f"--speculate {args.speculate} needs an EAGLE draft: {args.draft_checkpoint_path} not found "
-                          f"(pass --draft_checkpoint_path, or train one with scripts/train_eagle.py)")
+    errors = [message for wrong, message in [
+        (args.temperature < 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"),
+        (args.top_k is not None and args.top_k < 1, f"--top_k must be >= 1, got {args.top_k}"),
+        (args.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.interactive and tp.launched_by_torchrun(),
+         "--interactive reads the terminal in one process; under torchrun pass --prompt"),
+        (args.compare and (args.speculate == "none" or args.interactive),
+         "--compare puts plain decoding beside --speculate METHOD, for one prompt (not --interactive)"),
+        (prompt_file and not prompt_file.is_file(), f"--prompt {args.prompt}: file not found"),
+        (args.device.startswith("cuda") and not torch.cuda.is_available(),
+         f"--device {args.device} requested but CUDA is not available"),
+        (missing, f"--compile on a CPU needs {', '.join(missing)}, which torch {torch.__version__} lacks: "
+                  "upgrade torch or run without --compile"),
+        (tree_file and args.speculate != "eagle", "--tree FILE.json sets the static tree of --speculate eagle"),
+        (tree_file and args.speculate == "eagle" and not Path(args.tree).is_file(),
+         f"--tree file not found: {args.tree}"),
+        (args.tree is not None and not tree_file and args.speculate not in ("eagle2", "eagle3"),
+         "--tree TOP_K,DEPTH,TOKENS (or auto) sizes the dynamic trees of eagle2 and eagle3"),
+        (args.lookup is not None and (args.lookup < 0 or (args.speculate == "lookup" and args.lookup < 1)),
+         f"--lookup must be >= 0 (>= 1 with --speculate lookup), got {args.lookup}"),
+        (args.speculate == "lookup" and args.draft_checkpoint_path,
+         "--speculate lookup has no draft: --lookup sets how many tokens it guesses"),
+        (takes_draft and not args.draft_checkpoint_path.exists(),
+         f"--speculate {args.speculate} needs an EAGLE draft: {args.draft_checkpoint_path} not found "
+         "(pass --draft_checkpoint_path, or train one with scripts/train_eagle.py)"),
+    ] if wrong]
     if errors:
         raise ValueError("\n  ".join(errors))
+    if prompt_file:
+        args.prompt = prompt_file.read_text()
     row = defaults.row(args.device, args.compile)
     quantized = mode_from_path(args.checkpoint_path)[0]
     if args.dtype == "auto":  # eager on a CPU the mode holds in bf16 only
         args.dtype = "bfloat16" if args.batch_invariant and not args.compile else row.dtype
     problem = invariant.problem(args.device, args.dtype, args.compile, quantized, tp.launched_by_torchrun())
     if args.batch_invariant is None:
-        args.batch_invariant = defaults.invariant(row, args.dtype, quantized) and problem is None
+        args.batch_invariant = defaults.invariant(row, quantized) and problem is None
     if args.batch_invariant and problem:
         raise ValueError(problem)
     args.tree_file = args.tree if args.speculate == "eagle" else None  # None: mc_sim_7b_63
@@ -348,12 +341,9 @@ def main(argv=None):
     args = parse_args(argv)
     try:  # under torchrun: this rank's part of the target, and its device (tp.py)
         shard, device = tp.start(args.device, tp.DEFAULT_TIMEOUT_S, vars(args))
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    torch.manual_seed(args.seed)  # every rank draws the same random stream
-    args.device, dtype = device, getattr(torch, args.dtype)
-    t0 = time.perf_counter()
-    try:
+        torch.manual_seed(args.seed)  # every rank draws the same random stream
+        args.device, dtype = device, getattr(torch, args.dtype)
+        t0 = time.perf_counter()
         model = load_model(args.checkpoint_path, device, dtype, shard)
         if args.batch_invariant:
             invariant.enable(model)

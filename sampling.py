@@ -2,8 +2,7 @@
 the processed distribution a token is drawn from, the draw itself, and where an answer stops.
 
 Speculative decoding draws from exactly the distribution vanilla decoding does, which is what
-makes it lossless: keep every transformation of the logits inside logits_to_probs.
-"""
+makes it lossless: keep every transformation of the logits inside logits_to_probs."""
 from typing import Optional
 
 import torch
@@ -31,10 +30,9 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[in
 
 def sample_from(probs: Tensor) -> Tensor:
     """One draw from each row of probs [..., V] (unnormalised is fine) without a host sync, by
-    inverting the CDF: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1), is
-    index i with probability p_i / total. The threshold stays below the total even where u * total
-    rounds up to it, so the index drawn always has p_i > 0. (gpt-fast's exponential race,
-    argmax(p / E) with E ~ Exp(1), draws V exponentials per row: 15x slower on a CPU.)"""
+    inverting the CDF: the first index whose cumulative mass exceeds u * total, u ~ U[0, 1), is i
+    with probability p_i / total. The threshold stays below the total even where u * total rounds up
+    to it, so p_i > 0. (gpt-fast's exponential race draws V exponentials a row: much slower on a CPU.)"""
     cdf = probs.float().cumsum(-1)
     total = cdf[..., -1:]
     threshold = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -49,17 +47,9 @@ def sample(logits: Tensor, temperature: float, top_k: Optional[int], top_p: Opti
 
 
 def is_stop(tokens: Tensor, stop: Tensor) -> Tensor:
-    """Which of tokens (any shape) are stop tokens (stop: a 1-D tensor of ids), elementwise.
-
-    A broadcast comparison rather than torch.isin: isin sorts (and syncs with the host) once
-    there are more than a handful of ids (about 14 against a one-token row), which CUDA-graph
-    capture cannot record; a model has a few stop ids, so the comparison costs nothing."""
+    """Which of tokens (any shape) are stop tokens (stop: a 1-D tensor of ids), elementwise. Not
+    torch.isin: past a handful of ids it sorts, a host sync that CUDA-graph capture cannot record."""
     return (tokens[..., None] == stop).any(-1)
-
-
-def all_stopped(tokens: Tensor, stop: Tensor) -> bool:
-    """Whether every row of tokens [B, n] holds a stop token (stop: a 1-D tensor of ids)."""
-    return bool(is_stop(tokens, stop).any(dim=1).all()) if stop.numel() else False
 
 
 def cut_at_stop(ids: list, stop_ids) -> list:
