@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 import quantize
 import tp
@@ -26,9 +28,6 @@ DRAFT_WEIGHTS = "draft.safetensors"
 
 def read_state_dict(path) -> dict:
     """The tensors of a .pth (memory-mapped) or .safetensors file, or a clear ValueError."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
@@ -79,8 +78,6 @@ def load_model(checkpoint_path, device, dtype, shard: Optional[tp.Shard] = None,
 # Drafts: a folder with draft_config.json (the layer's ModelArgs, "arch": "eagle" or "eagle3", ...)
 # and draft.safetensors (or a quantized draft_int8 / draft_int4.gNN file).
 def save_draft(draft, folder, dtype: Optional[torch.dtype] = None) -> Path:
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous()
@@ -99,8 +96,7 @@ def save_draft(draft, folder, dtype: Optional[torch.dtype] = None) -> Path:
 def draft_files(path):
     """(folder, config file, weights file) of a draft folder or of one weights file in it."""
     path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    weights = folder / DRAFT_WEIGHTS if path.is_dir() else path
+    folder, weights = (path, path / DRAFT_WEIGHTS) if path.is_dir() else (path.parent, path)
     if not (folder / DRAFT_CONFIG).is_file() or not weights.is_file():
         raise FileNotFoundError(f"no EAGLE draft at {path}: expected {DRAFT_CONFIG} and {weights.name} in {folder}")
     return folder, folder / DRAFT_CONFIG, weights
@@ -151,8 +147,7 @@ def check_draft_fits(folder, arch: str, config: ModelArgs, meta: dict, target: M
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"draft {folder} was made for a vocabulary of {config.vocab_size} tokens, "
                          f"the target has {target.vocab_size}")
-    if arch == "eagle3" and meta.get("layer_ids") is not None:
-        layer_ids = list(meta["layer_ids"])
-        if layer_ids != list(eagle3_layer_ids(target.n_layer)):
-            raise ValueError(f"draft {folder} fuses target layers {layer_ids}, but a target of {target.n_layer} layers "
-                             f"has {list(eagle3_layer_ids(target.n_layer))}: it was made for another model")
+    expected = list(eagle3_layer_ids(target.n_layer))
+    if arch == "eagle3" and meta.get("layer_ids") not in (None, expected):
+        raise ValueError(f"draft {folder} fuses target layers {meta['layer_ids']}, but a target of {target.n_layer} "
+                         f"layers has {expected}: it was made for another model")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, save_draft
 from draft import Eagle3Draft, EagleDraft
 from model import CONFIG_FILE, ModelArgs
-from tokenizer import gguf_tokenizer_json, gguf_tokenizer_meta, guess_tokenizer_meta
+from tokenizer import gguf_tokenizer, guess_tokenizer_meta
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -59,19 +59,14 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     # transformers < 5 writes rope_theta and rope_scaling; 5 writes both into rope_parameters.
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        rope_scaling = None
-    elif rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        rope_scaling = {k: rope[k] for k in keys}
-    else:
+    if rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    rope_scaling = {k: rope[k] for k in keys} if rope_type == "llama3" else None
     return ModelArgs(
         block_size=config["max_position_embeddings"],
         vocab_size=config["vocab_size"],
-        n_layer=config["num_hidden_layers"],
-        n_head=n_head,
-        dim=config["hidden_size"],
+        n_layer=config["num_hidden_layers"], n_head=n_head, dim=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
         n_local_heads=config.get("num_key_value_heads") or n_head,
         head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
@@ -147,12 +142,10 @@ EAGLE3_LAYER_NAMES = {**EAGLE_LAYER_NAMES, "input_layernorm.weight": "input_norm
 
 def _taker(weights: dict, owner: str):
     """weights.pop, or a ValueError that names the missing tensor."""
-
     def take(name):
         if name not in weights:
             raise ValueError(f"{owner} lacks the tensor {name}")
         return weights.pop(name)
-
     return take
 
 
@@ -210,14 +203,11 @@ def _experts(take, weights: dict, hf: str, ours: str, n_experts: int) -> dict:
 
 
 # Back to Hugging Face, for scripts/benchmark.py --peers; transformers is imported only when called.
-def _require_dense(args: ModelArgs):
-    if args.num_experts:  # transformers 4 and 5 lay Mixtral's experts out differently in memory
-        raise ValueError("a mixture-of-experts model (Mixtral) cannot be written back to transformers here: dense models only")
-
-
 def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     """The inverse of hf_to_model_state_dict (tensors shared); a tied LM head is the embedding."""
-    _require_dense(args)
+    if args.num_experts:  # transformers 4 and 5 lay Mixtral's experts out differently in memory
+        raise ValueError("a mixture-of-experts model (Mixtral) cannot be written back to transformers here: "
+                         "dense models only")
     weights = dict(state_dict)  # emptied as it goes, to find what has no place in a transformers model
     take = _taker(weights, "the state dict")
     q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
@@ -231,20 +221,17 @@ def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     out["model.norm.weight"] = take("norm.weight")
     if args.tie_embeddings:
         weights.pop("output.weight", None)
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    else:
-        out["lm_head.weight"] = take("output.weight")
+    out["lm_head.weight"] = out["model.embed_tokens.weight"] if args.tie_embeddings else take("output.weight")
     # int8/int4 scales, for one: transformers gets float weights only
     _refuse_leftovers(weights, "tensors with no place in a transformers model (a quantized checkpoint? "
                                "convert a float model.pth instead)")
     return out
 
 
-def hf_config(args: ModelArgs):
+def _hf_config(args: ModelArgs):
     """Qwen2 if q/k/v have biases, Mistral if windowed, else LLaMA; token ids None (not LlamaConfig's)."""
     import transformers
 
-    _require_dense(args)
     common = dict(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.n_layer, num_attention_heads=args.n_head, num_key_value_heads=args.n_local_heads,
@@ -263,18 +250,17 @@ def hf_model_from_ours(model, attn_implementation: str = "sdpa"):
     """A transformers copy of `model` on its device and dtype, in eval mode, with SDPA attention."""
     from transformers import AutoModelForCausalLM
 
-    weight = model.tok_embeddings.weight
-    config = hf_config(model.config)
+    state_dict = model_to_hf_state_dict(model.state_dict(), model.config)  # first: it refuses what cannot be copied
+    weight, config = model.tok_embeddings.weight, _hf_config(model.config)
     with torch.device(weight.device):  # built where it will run: a 7B model is never made on the CPU first
         hf = AutoModelForCausalLM.from_config(config, dtype=weight.dtype, attn_implementation=attn_implementation)
-    hf.load_state_dict(model_to_hf_state_dict(model.state_dict(), model.config), strict=True)
+    hf.load_state_dict(state_dict, strict=True)
     return hf.eval()
 
 
 # GGUF tensor names (blk.N. stripped) -> Hugging Face's: GGUF goes through hf_to_model_state_dict too.
 GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -297,7 +283,7 @@ def convert_gguf(gguf_file, checkpoint_dir, dtype: str = "auto", force: bool = F
     args = model_args_from_gguf(metadata, tensors)
     torch_dtype = _torch_dtype(dtype, "float32")
     _refuse_to_overwrite([folder / "model.pth", folder / CONFIG_FILE, folder / "tokenizer.json"], force)
-    tokenizer_json = gguf_tokenizer_json(metadata)  # fails early on an unsupported tokenizer
+    tokenizer_json, tokenizer_meta = gguf_tokenizer(metadata)  # fails early on an unsupported tokenizer
 
     permuted = metadata["general.architecture"] == "llama"  # llama.cpp permutes LLaMA q/k only
     weights = {}
@@ -317,7 +303,7 @@ def convert_gguf(gguf_file, checkpoint_dir, dtype: str = "auto", force: bool = F
     source = {"format": "gguf", "file": gguf_file.name, "architecture": metadata["general.architecture"],
               "name": metadata.get("general.name"),
               "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values()))}
-    return _write_checkpoint(folder, args, state_dict, torch_dtype, gguf_tokenizer_meta(metadata), source)
+    return _write_checkpoint(folder, args, state_dict, torch_dtype, tokenizer_meta, source)
 
 
 def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
@@ -340,9 +326,7 @@ def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
     return ModelArgs(
         block_size=get("context_length"),
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
-        n_layer=get("block_count"),
-        n_head=n_head,
-        dim=dim,
+        n_layer=get("block_count"), n_head=n_head, dim=dim,
         intermediate_size=get("feed_forward_length"),
         n_local_heads=get("attention.head_count_kv", n_head),
         head_dim=get("attention.key_length", dim // n_head),
@@ -406,11 +390,9 @@ def convert_eagle(eagle_dir, dtype: str = "auto", force: bool = False) -> Path:
         draft_vocab = int(config.get("draft_vocab_size", args.vocab_size))
         state["vocab"] = eagle3_vocab(weights.pop("d2t", None), weights.pop("t2d", None), draft_vocab, args.vocab_size)
         state.update({name: take(name) for name in ("norm.weight", "lm_head.weight")})
-    with torch.device("meta"):
-        if eagle3:  # it fuses layers of the target, which the config does not name: load_draft derives them
-            draft = Eagle3Draft(args, draft_vocab, layer_ids=None)
-        else:
-            draft = EagleDraft(args, fc_bias="fc.bias" in state)
+    with torch.device("meta"):  # EAGLE-3's config does not name the target layers it fuses: load_draft derives them
+        draft = (Eagle3Draft(args, draft_vocab, layer_ids=None) if eagle3
+                 else EagleDraft(args, fc_bias="fc.bias" in state))
     _refuse_leftovers(weights, f"the {kind} head in {folder} has tensors an {kind} draft has no place for")
     try:
         draft.load_state_dict(state, strict=True, assign=True)
@@ -467,14 +449,14 @@ def _write_checkpoint(folder: Path, args: ModelArgs, state_dict: dict, dtype, to
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint_dir", type=Path, default=None,
+    parser.add_argument("--checkpoint_dir", type=Path,
                         help="Hugging Face folder to convert in place, or where a GGUF file's conversion goes")
-    parser.add_argument("--gguf", type=Path, default=None, help="convert this GGUF file")
-    parser.add_argument("--eagle_dir", type=Path, default=None,
-                        help="convert the EAGLE-1/2 or EAGLE-3 head in this folder (reference layout) in place, for --draft_checkpoint_path")
+    parser.add_argument("--gguf", type=Path, help="convert this GGUF file")
+    parser.add_argument("--eagle_dir", type=Path,
+                        help="convert this folder's EAGLE-1/2 or EAGLE-3 head in place, for --draft_checkpoint_path")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="auto: the config's dtype for Hugging Face folders, float32 for GGUF")
-    parser.add_argument("--force", action="store_true", help="overwrite existing output files (model.pth, model_config.json, tokenizer.json)")
+    parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
     if (args.eagle_dir is None) == (args.checkpoint_dir is None):
         parser.error("give --checkpoint_dir (with --gguf for a GGUF file), or --eagle_dir for an EAGLE head")

@@ -1,7 +1,7 @@
 """Tokenizers and chat templates for the models model.py runs.
 
 `Tokenizer` wraps sentencepiece (tokenizer.model: LLaMA-2, Vicuna) or Hugging Face `tokenizers`
-(tokenizer.json: LLaMA-3, SmolLM2, Qwen2, Mistral); `gguf_tokenizer_json` rebuilds a tokenizer.json
+(tokenizer.json: LLaMA-3, SmolLM2, Qwen2, Mistral); `gguf_tokenizer` rebuilds a tokenizer.json
 from a GGUF file's metadata. BOS, stop tokens and the chat template come from the "tokenizer" section
 of model_config.json, or `guess_tokenizer_meta` works them out from the folder.
 
@@ -11,7 +11,7 @@ give the same ids as Hugging Face's tokenizers.
 """
 import json
 import re
-from itertools import zip_longest
+from itertools import groupby, zip_longest
 from pathlib import Path
 from typing import Optional, Union
 
@@ -29,9 +29,8 @@ class Tokenizer:
     def __init__(self, path, bos_id: Optional[int] = None, add_bos: bool = False, stop_ids=(),
                  chat_template: Optional[str] = None, system_prompt: Optional[str] = None):
         """path: tokenizer.model or tokenizer.json; the rest is model_config.json's "tokenizer" section."""
-        path = Path(path)
         self.sp = self.hf = None
-        if path.suffix == ".model":
+        if Path(path).suffix == ".model":
             self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
             self.vocab_size = self.sp.get_piece_size()
         else:
@@ -42,11 +41,8 @@ class Tokenizer:
 
     def encode(self, text: str, bos: Optional[bool] = None) -> list:
         """bos=None: add BOS if the model does by default (LLaMA-2 does, SmolLM2 does not)."""
-        if self.sp is not None:
-            ids = self.sp.encode(text)
-        else:
-            # The post-processor (which may add BOS) is skipped: BOS is ours to add, once.
-            ids = self.hf.encode(text, add_special_tokens=False).ids
+        # Hugging Face's post-processor (which may add BOS) is skipped: BOS is ours to add, once.
+        ids = self.sp.encode(text) if self.sp is not None else self.hf.encode(text, add_special_tokens=False).ids
         add = self.add_bos if bos is None else bos
         return [self.bos_id] + ids if add and self.bos_id is not None else ids
 
@@ -55,9 +51,7 @@ class Tokenizer:
         ids = list(ids)
         if self.add_bos and ids[:1] == [self.bos_id]:
             ids = ids[1:]
-        if self.sp is not None:
-            return self.sp.decode(ids)
-        return self.hf.decode(ids, skip_special_tokens=False)
+        return self.sp.decode(ids) if self.sp is not None else self.hf.decode(ids, skip_special_tokens=False)
 
     def token_id(self, token: str) -> Optional[int]:
         """The id of a token spelled exactly so in the vocabulary, else None."""
@@ -83,14 +77,11 @@ class Tokenizer:
         if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
             messages = [{"role": "system", "content": self.system_prompt}] + list(messages)
         pieces = CHAT_TEMPLATES[self.chat_template](self, messages, add_generation_prompt)
-        ids, text = [], ""
-        for piece in pieces:
-            if isinstance(piece, str):
-                text += piece  # adjacent text is encoded together, as a rendered template would be
-            else:
-                ids += self.encode(text, bos=False) + [piece]
-                text = ""
-        return ids + self.encode(text, bos=False)
+        ids = []
+        for is_text, group in groupby(pieces, key=lambda piece: isinstance(piece, str)):
+            # adjacent text is encoded together, as a rendered template would be
+            ids += self.encode("".join(group), bos=False) if is_text else list(group)
+        return ids
 
 
 # Chat templates: (tokenizer, messages, add_generation_prompt) -> pieces (int = id, str = text).
@@ -196,11 +187,9 @@ def chat_template_from_hf(template: Union[dict, str, None]):
 def load_tokenizer(checkpoint_dir) -> Tokenizer:
     """The tokenizer of a converted checkpoint folder (or of the folder of a given model.pth)."""
     folder = Path(checkpoint_dir)
-    if folder.is_file():
-        folder = folder.parent
+    folder = folder.parent if folder.is_file() else folder
     config_file = folder / CONFIG_FILE
-    meta = json.loads(config_file.read_text()).get("tokenizer") if config_file.is_file() else None
-    meta = dict(meta or guess_tokenizer_meta(folder))
+    meta = dict(_read_json(config_file).get("tokenizer") or guess_tokenizer_meta(folder))
     path = folder / meta.pop("file")
     if not path.is_file():
         raise FileNotFoundError(f"{config_file} names {path.name}, which is not in {folder}")
@@ -219,14 +208,11 @@ def _template_from_vocab(token_id, model_name: str) -> Optional[str]:
         return "llama-3"
     if "vicuna" in model_name.lower():
         return "vicuna"
-    if token_id("</s>") is not None:
-        return "llama-2"
-    return None
+    return "llama-2" if token_id("</s>") is not None else None
 
 
 def _tokenizer_meta(file: str, token_id, jinja, model_name: str, bos_id, add_bos, stop_ids) -> dict:
-    """model_config.json's "tokenizer" section. token_id(token): its id, or None where the vocabulary lacks it.
-    The chat template is the jinja template's, else _template_from_vocab's."""
+    """model_config.json's "tokenizer" section. token_id(token): its id, or None where the vocabulary lacks it."""
     chat_template, system_prompt = chat_template_from_hf(jinja)
     chat_template = chat_template or _template_from_vocab(token_id, model_name)
     stop_ids = {token_id(t) for t in END_TOKENS} | set(stop_ids)
@@ -254,20 +240,15 @@ def guess_tokenizer_meta(folder) -> dict:
     if not jinja and (folder / "chat_template.jinja").is_file():  # where transformers 5 saves it
         jinja = (folder / "chat_template.jinja").read_text()
 
-    bos_id, add_bos = token_id(hf_config.get("bos_token")), hf_config.get("add_bos_token")
-    if tok.sp is not None:
-        if bos_id is None and tok.sp.bos_id() >= 0:
-            bos_id = tok.sp.bos_id()
-        if add_bos is None:
-            add_bos = True  # sentencepiece LLaMAs always start with <s>
-    else:
-        # A tokenizer.json adds BOS in its post-processor, if at all: see whether it does.
+    if tok.sp is not None:  # sentencepiece LLaMAs always start with <s>
+        adds_bos, default_bos = True, (tok.sp.bos_id() if tok.sp.bos_id() >= 0 else None)
+    else:  # a tokenizer.json adds BOS in its post-processor, if at all: see whether it does
         with_post = tok.hf.encode("a").ids
         adds_bos = len(with_post) > len(tok.hf.encode("a", add_special_tokens=False).ids)
-        if bos_id is None and adds_bos:
-            bos_id = with_post[0]
-        if add_bos is None:
-            add_bos = adds_bos
+        default_bos = with_post[0] if adds_bos else None
+    bos_id, add_bos = token_id(hf_config.get("bos_token")), hf_config.get("add_bos_token")
+    bos_id = default_bos if bos_id is None else bos_id
+    add_bos = adds_bos if add_bos is None else add_bos
 
     eos = _read_json(folder / "generation_config.json").get("eos_token_id")  # an id or a list
     stop_ids = [token_id(hf_config.get("eos_token"))] + (eos if isinstance(eos, list) else [eos])
@@ -314,8 +295,9 @@ def _merges_from_scores(tokens, scores, types):
     return [(left, right) for *_, left, right in merges]
 
 
-def gguf_tokenizer_json(metadata: dict) -> str:
-    """tokenizer.json text equivalent to a GGUF file's metadata (keys like "tokenizer.ggml.tokens")."""
+def gguf_tokenizer(metadata: dict):
+    """(tokenizer.json text, model_config.json's "tokenizer" section for it) equivalent to a GGUF file's
+    metadata (keys like "tokenizer.ggml.tokens")."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens = list(metadata["tokenizer.ggml.tokens"])
     types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
@@ -343,19 +325,14 @@ def gguf_tokenizer_json(metadata: dict) -> str:
     # Control tokens ("<|im_start|>", "<s>") match whole in text, like the model's own tokenizer.
     tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL])
     tokenizer.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
-    return tokenizer.to_str()
 
-
-def gguf_tokenizer_meta(metadata: dict) -> dict:
-    """model_config.json's "tokenizer" section for gguf_tokenizer_json's output."""
-    tokens = list(metadata["tokenizer.ggml.tokens"])
-    types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)}
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama")
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
     stop_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return _tokenizer_meta("tokenizer.json", special.get, metadata.get("tokenizer.chat_template"),
+    meta = _tokenizer_meta("tokenizer.json", special.get, metadata.get("tokenizer.chat_template"),
                            metadata.get("general.name") or "", metadata.get("tokenizer.ggml.bos_token_id"),
                            add_bos, stop_ids)
+    return tokenizer.to_str(), meta
 
 
 class TextStreamer:

@@ -7,8 +7,7 @@ import pytest
 import sentencepiece as spm
 from transformers import AutoTokenizer
 
-from tokenizer import (CHAT_TEMPLATES, VICUNA_SYSTEM, Tokenizer, chat_template_from_hf, gguf_tokenizer_json,
-                       gguf_tokenizer_meta, load_tokenizer)
+from tokenizer import CHAT_TEMPLATES, VICUNA_SYSTEM, Tokenizer, chat_template_from_hf, gguf_tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world!",
@@ -127,8 +126,8 @@ def test_gguf_sentencepiece_vocab_rebuilds_an_equivalent_bpe(tiny_sentencepiece_
     """GGUF "llama" vocabularies (pieces + scores) become a BPE with byte fallback whose merges
     come from the scores; it must tokenize exactly as sentencepiece does."""
     metadata = gguf_metadata_from_sentencepiece(tiny_sentencepiece_model)
-    (tmp_path / "tokenizer.json").write_text(gguf_tokenizer_json(metadata))
-    meta = gguf_tokenizer_meta(metadata)
+    tokenizer_json, meta = gguf_tokenizer(metadata)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json)
     assert meta == {"file": "tokenizer.json", "chat_template": "llama-2", "system_prompt": None,
                     "bos_id": 1, "add_bos": True, "stop_ids": [2]}
     tok = Tokenizer(tmp_path / "tokenizer.json", **{k: v for k, v in meta.items() if k != "file"})
@@ -140,11 +139,11 @@ def test_gguf_sentencepiece_vocab_rebuilds_an_equivalent_bpe(tiny_sentencepiece_
 
 def test_gguf_unsupported_tokenizers():
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model.*'bert'"):
-        gguf_tokenizer_json({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+        gguf_tokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
     gpt2 = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "tekken"}
     with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer.*'tekken'.*smollm"):
-        gguf_tokenizer_json(gpt2)
+        gguf_tokenizer(gpt2)
 
 
 # ---------------------------------------------------------------------------------------------
