@@ -62,12 +62,11 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 
 
 # Batch-invariant mode compiled on a CPU needs each row of a layer to come out the same however many rows
-# come together. Inductor's C++ int8 template (AVX2/AVX-512) and int4 template (AVX-512; bf16, groups of
-# 32-128, outputs a multiple of 64) accumulate each output in float32 k after k: rows independent of the
-# row count (tests/test_quantize.py); with AMX their micro-kernels add pairs of products and are not.
-# Elsewhere, and for shapes the int4 template lacks (which "CPP" alone, compiling.CPU_INVARIANT, cannot
-# compile), layers keep torch's row-invariant CPU kernel as an op Inductor cannot lower (int8_rows,
-# int4_rows_cpu). Costs: benchmarks/RESULTS.md, "Batch-invariant cost".
+# come together. Inductor's C++ int8 and int4 templates (on the CPUs and shapes below) accumulate each
+# output in float32 k after k: rows independent of the row count (tests/test_quantize.py); with AMX their
+# micro-kernels add pairs of products and are not. Elsewhere, and for shapes the int4 template lacks (which
+# "CPP" alone, compiling.CPU_INVARIANT, cannot compile), layers keep torch's row-invariant CPU kernel as an
+# op Inductor cannot lower (int8_rows, int4_rows_cpu). Costs: benchmarks/RESULTS.md, "Batch-invariant cost".
 INDUCTOR_INT8_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
                                 and not torch.cpu._is_amx_tile_supported())
 INDUCTOR_INT4_ROWS_INVARIANT = (torch.backends.cpu.get_cpu_capability() == "AVX512"
@@ -149,14 +148,13 @@ class WeightOnlyInt8Linear(nn.Module):
             opaque = self.row_invariant and torch.compiler.is_compiling() and not INDUCTOR_INT8_ROWS_INVARIANT
             matmul = int8_rows if opaque else torch.ops.aten._weight_int8pack_mm
             y = matmul(x.reshape(-1, self.in_features), self.weight, scales)
-            y = y.reshape(*x.shape[:-1], self.out_features)
         elif x.is_cuda and int8_matmul is not None and 1 < rows <= CUDA_INT8_KERNEL_ROWS:
             # several rows on CUDA: cuBLAS would need the weight cast to x.dtype first, every call
             y = int8_matmul(x.reshape(rows, self.in_features), self.weight, self.scales)
-            y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             # gpt-fast's form: under torch.compile the exact cast fuses into the matmul's weight load.
             y = F.linear(x, self.weight.to(x.dtype)) * scales
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -256,7 +254,7 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 def int4_kernel(device: torch.device):
     """(pack, matmul, compute dtype) for this device's int4 kernel, or a clear error. pack(nibbles
     [N, K / 2]) -> packed weight; matmul(x [M, K], packed, groupsize, scales_and_zeros) -> [M, N].
-    The packing signatures changed across torch versions (int32 [N, K] or uint8 nibbles)."""
+    The CPU packing takes int32 [N, K], the CUDA one (torch >= 2.5) the uint8 nibbles."""
     aten = torch.ops.aten
     if device.type == "cpu":
         if not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
@@ -266,20 +264,16 @@ def int4_kernel(device: torch.device):
         return (lambda nibbles: aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).int(), 8),
                 aten._weight_int4pack_mm_for_cpu, None)  # None: the CPU kernel computes in x's dtype
     if device.type == "cuda":
-        if not hasattr(aten, "_weight_int4pack_mm"):
-            raise ValueError(f"torch {torch.__version__} has no aten._weight_int4pack_mm: use --mode int8")
         if torch.version.hip is None and torch.cuda.get_device_capability(device) < (8, 0):
             raise ValueError(f"the int4 CUDA kernel needs compute capability >= 8.0 (Ampere or newer); "
                              f"{torch.cuda.get_device_name(device)} has "
                              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: use --mode int8")
-        uint8_input = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
         def pack(nibbles):
             K = nibbles.size(1) * 2
             # innerKTiles: 16-column k-tiles a thread reads at once; the largest with K % (16 * t) == 0.
             inner_k_tiles = next(t for t in (8, 4, 2) if K % (16 * t) == 0)
-            w = nibbles if uint8_input else unpack_nibbles(nibbles).int()
-            return aten._convert_weight_to_int4pack(w.contiguous(), inner_k_tiles)
+            return aten._convert_weight_to_int4pack(nibbles.contiguous(), inner_k_tiles)
         return pack, aten._weight_int4pack_mm, torch.bfloat16  # the CUDA kernel is bfloat16 only
     raise ValueError(f"int4 weights run on CPU or CUDA, not on {device.type}: use --mode int8")
 
@@ -335,7 +329,6 @@ class WeightOnlyInt4Linear(nn.Module):
         if self.packed_for != x.device.type:
             raise RuntimeError(f"int4 weights packed for {self.packed_for}, input on {x.device.type}: "
                                f"call quantize.pack_int4(model) after moving the model to its device")
-        shape = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
         if self.in_padded != self.in_features:
             x2 = F.pad(x2, (0, self.in_padded - self.in_features))
@@ -349,7 +342,7 @@ class WeightOnlyInt4Linear(nn.Module):
             if self.row_invariant and x.is_cpu and torch.compiler.is_compiling() and not self.template_invariant():
                 matmul = int4_rows_cpu  # the kernel itself, never the template (lower_int4_rows_to_the_kernel)
             y = matmul(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, :self.out_features]
-        y = y.to(x.dtype).reshape(*shape, self.out_features)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def template_invariant(self) -> bool:

@@ -192,7 +192,6 @@ def all_reduce_sum(x: Tensor) -> Tensor:
     """The sum of x over all ranks. Functional (a new tensor), so torch.compile traces it and a step or
     round stays one graph; the group goes by name, since a compiled graph would keep a group object."""
     from torch.distributed import _functional_collectives as funcol
-
     return funcol.all_reduce(x, "sum", _GROUP_NAME)
 
 
@@ -227,8 +226,7 @@ def _qkv_sizes(config: ModelArgs) -> list:
 
 
 def _plan(config: ModelArgs) -> dict:
-    """The sharding plan: module name inside a layer -> (how it is split, out_features, in_features
-    before sharding)."""
+    """The sharding plan: module name in a layer -> (how it is split, out_features, in_features unsharded)."""
     dim, ff, q = config.dim, config.intermediate_size, config.n_head * config.head_dim
     return {"attention.wqkv": (COLUMN, sum(_qkv_sizes(config)), dim), "attention.wo": (ROW, dim, q),
             "feed_forward.w1": (COLUMN, ff, dim), "feed_forward.w3": (COLUMN, ff, dim),
@@ -260,8 +258,7 @@ def shard_state_dict(state_dict: dict, config: ModelArgs, shard: Shard) -> dict:
             sizes = _qkv_sizes(config)
             if kind == "weight" and tensor.size(dim) != sum(sizes):
                 raise ValueError(f"{key} has {tensor.size(dim)} output rows, the config says {sum(sizes)}")
-            pieces = [_slice(p, dim, shard) for p in tensor.split(sizes, dim)]
-            out[key] = torch.cat(pieces, dim)
+            out[key] = torch.cat([_slice(p, dim, shard) for p in tensor.split(sizes, dim)], dim)
         else:
             out[key] = _slice(tensor, dim, shard).contiguous()
     return out
