@@ -26,10 +26,10 @@ import torch
 
 import tp
 from compiling import compile_function, cuda_graph, device_sync
-from draft import grow_dynamic_tree
+from draft import grow_dynamic_tree, most_tokens
 from model import Transformer, TreeMask
 from sampling import sample
-from speculative import Speculator, accept
+from speculative import Speculator
 from trees import Tree, tree_structure
 
 # Fixed probe prompts (a cached measurement serves every later prompt), none from an evaluation set.
@@ -80,25 +80,18 @@ def predicted_tau(probes: list, depth: int, tokens: int) -> float:
     return total / len(probes)
 
 
-def most_tokens(top_k: int, depth: int) -> int:
-    """The largest tree a dynamic tree of this top_k and depth can keep, root included."""
-    return 1 + top_k + (depth - 1) * top_k ** 2
-
-
 def choose_shape(costs: ShapeCosts, acceptance: dict, depths, tokens=AUTO_TOKENS,
                  min_speedup: float = AUTO_MIN_SPEEDUP, lookup: int = 0):
     """The rule of --tree auto, a pure function of costs and probes ({top_k: probes}). Returns (the best
     shape, or None for vanilla decoding below min_speedup; every shape's (speedup, tau, round / step),
     best first). The margin sends a close call to vanilla: a wrong choice must not slow decoding."""
     table = []
-    for k, probes in acceptance.items():
-        for d in depths:
-            for T in tokens:
-                if k not in costs.grow or T not in costs.verify or not 2 <= T <= most_tokens(k, d):
-                    continue
-                tau = predicted_tau(probes, d, T)
-                cost = costs.round(k, d, T, lookup) / costs.step  # lookup's nodes cost, their gain is not counted
-                table.append((tau / cost, tau, cost, dict(tree_top_k=k, tree_depth=d, tree_tokens=T)))
+    for (k, probes), d, T in itertools.product(acceptance.items(), depths, tokens):
+        if k not in costs.grow or T not in costs.verify or not 2 <= T <= most_tokens(k, d):
+            continue
+        tau = predicted_tau(probes, d, T)
+        cost = costs.round(k, d, T, lookup) / costs.step  # lookup's nodes cost, their gain is not counted
+        table.append((tau / cost, tau, cost, dict(tree_top_k=k, tree_depth=d, tree_tokens=T)))
     table.sort(key=lambda row: -row[0])
     return (table[0][3] if table and table[0][0] >= min_speedup else None), table
 
@@ -150,7 +143,7 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
             tree, pool = spec.grow(root_hidden, with_pool=True)
             logits, features = spec.verify(tree)
             t = clock()
-            path, n_accepted = finish_round(spec, tree, logits, features)
+            path, n_accepted = spec.finish(tree, logits, features)
             others.append(caught_up + clock() - t)
             accepted = pool.keep[0, path[0, 1:int(n_accepted[0]) + 1] - 1].tolist()
             probes.append((pool.scores[0].float().cpu(), pool.depth.cpu(), accepted))
@@ -175,7 +168,7 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
                 buffer.copy_(saved)
 
         others = [seconds(spec.catch_up, restore)
-                  + seconds(lambda: finish_round(spec, tree, logits, features), restore)]
+                  + seconds(lambda: spec.finish(tree, logits, features), restore)]
     # verify(T): the target's forward over T tree tokens (a chain) after a real prefix; compiled on a
     # CPU, at the ends only and on the line through the two in between
     spec.prefill(torch.tensor([prompts[0]], device=device), budget)
@@ -195,15 +188,6 @@ def measure_shapes(model: Transformer, draft, prompts: list, *, top_ks=AUTO_TOP_
 
     costs = ShapeCosts(step=seconds(step), verify=verify, grow=grow, other=tp.from_rank0(statistics.median(others)))
     return costs, acceptance
-
-
-def finish_round(spec: Speculator, tree: Tree, logits, features) -> tuple:
-    """A round's end after verify, as Speculator.round ends: accept, compact, advance. Returns the
-    accepted path and the number of accepted guesses."""
-    node, n_accepted, bonus = accept(tree, logits, *spec.sampling)
-    path = spec.compact(tree, node)
-    spec.advance(tree, path, n_accepted, bonus, features)
-    return path, n_accepted
 
 
 def auto_tree(model: Transformer, draft, prompts: list, device: str, compiled: bool, files, tree_top_k=None,

@@ -39,36 +39,38 @@ from model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, Transform
 from trees import StaticTree, Tree, expand, rerank, tree_structure
 
 
-def setup_draft_caches(draft, max_batch_size: int, max_seq_length: int):
-    """KV cache and RoPE tables of a one-layer draft (either kind); later calls with sizes that
-    already fit are free."""
-    if draft.max_seq_length >= max_seq_length and draft.max_batch_size >= max_batch_size:
-        return
-    draft.max_batch_size, draft.max_seq_length = max_batch_size, max_seq_length
-    c = draft.config
-    norm = draft.layer.ffn_norm.weight  # fc may be quantized (int8 weight): a norm has the float dtype
-    dtype, device = norm.dtype, norm.device
-    storage = torch.zeros(2, max_batch_size, c.n_local_heads, max_seq_length, c.head_dim, dtype=dtype, device=device)
-    draft.layer.attention.kv_cache = KVCache(storage)
-    cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
-    draft.register_buffer("rope_cos", cos.to(device), persistent=False)
-    draft.register_buffer("rope_sin", sin.to(device), persistent=False)
+class OneLayerDraft(nn.Module):
+    """What both drafts share: their one layer's KV cache and RoPE tables."""
+    max_batch_size = max_seq_length = -1  # no caches yet
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        """Later calls with sizes that already fit are free."""
+        if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
+            return
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        c = self.config
+        norm = self.layer.ffn_norm.weight  # fc may be quantized (int8 weight): a norm has the float dtype
+        dtype, device = norm.dtype, norm.device
+        shape = (2, max_batch_size, c.n_local_heads, max_seq_length, c.head_dim)
+        self.layer.attention.kv_cache = KVCache(torch.zeros(shape, dtype=dtype, device=device))
+        cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def positions(self, embeds: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor], mask):
+        """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot.
+        Returns the RoPE tables at input_pos, cache_pos and mask."""
+        if self.max_seq_length < 0:
+            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+        B, n, _ = embeds.shape
+        input_pos = input_pos.expand(B, n)
+        cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, n)
+        if mask is None:
+            mask = torch.arange(self.max_seq_length, device=embeds.device) <= cache_pos[..., None]
+        return self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask
 
 
-def _positions(draft, embeds: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor], mask):
-    """Transformer.forward's defaults for a draft forward: slots = positions, causal mask by slot.
-    Returns input_pos, cache_pos and mask."""
-    if draft.max_seq_length < 0:
-        raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-    B, n, _ = embeds.shape
-    input_pos = input_pos.expand(B, n)
-    cache_pos = input_pos if cache_pos is None else cache_pos.expand(B, n)
-    if mask is None:
-        mask = torch.arange(draft.max_seq_length, device=embeds.device) <= cache_pos[..., None]
-    return input_pos, cache_pos, mask
-
-
-class EagleDraft(nn.Module):
+class EagleDraft(OneLayerDraft):
     layer_ids = ()  # reads the target's final feature
 
     def __init__(self, config: ModelArgs, fc_bias: bool = True):
@@ -79,19 +81,15 @@ class EagleDraft(nn.Module):
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=fc_bias)
         self.layer = TransformerBlock(config)
         self.layer.attention_norm = nn.Identity()  # fc's output feeds attention directly
-        self.max_batch_size = self.max_seq_length = -1
-
-    def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        setup_draft_caches(self, max_batch_size, max_seq_length)
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
                 mask=None) -> Tensor:
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, dim] = f_t (true or
         predicted). Positions, slots and mask (dense or TreeMask) as in Transformer.forward.
         Returns f^_{t+1} [B, n, dim]."""
-        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
+        cos, sin, cache_pos, mask = self.positions(embeds, input_pos, cache_pos, mask)
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
-        return self.layer(x, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
+        return self.layer(x, cos, sin, cache_pos, mask)
 
     def log_probs(self, hidden: Tensor, target_head) -> Tensor:
         return F.log_softmax(target_head(hidden).float(), dim=-1)
@@ -128,7 +126,7 @@ def eagle3_layer_ids(n_layer: int) -> tuple:
     return tuple(min(max(i, 0), n_layer - 1) for i in (2, n_layer // 2, n_layer - 3))
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(OneLayerDraft):
     def __init__(self, config: ModelArgs, draft_vocab_size: int, layer_ids: Optional[tuple]):
         """layer_ids: the three target layers whose inputs it fuses; None while unknown (a published
         head names no target: checkpoint.load_draft fills them in for the target it is loaded for)."""
@@ -148,24 +146,20 @@ class Eagle3Draft(nn.Module):
         # vocab[i]: the target id of draft token i, ascending. (The reference stores the offsets
         # d2t[i] = vocab[i] - i and the mask t2d; convert_hf_checkpoint.py translates.)
         self.register_buffer("vocab", torch.arange(draft_vocab_size))
-        self.max_batch_size = self.max_seq_length = -1
-
-    def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        setup_draft_caches(self, max_batch_size, max_seq_length)
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
                 mask=None) -> Tensor:
         """embeds [B, n, dim] = target embedding of tok_{t+1}; features [B, n, 3 * dim] = the
         target's fused layer inputs at t (fc is applied), or [B, n, dim] = the draft's own output
         at t's parent, inside a tree (used as it is). Returns the layer's output o [B, n, dim]."""
-        input_pos, cache_pos, mask = _positions(self, embeds, input_pos, cache_pos, mask)
+        cos, sin, cache_pos, mask = self.positions(embeds, input_pos, cache_pos, mask)
         # The draft may run in a lower precision than the target (--draft_dtype): its guesses only
         # decide how many tokens a round accepts, never which tokens come out (the target verifies).
         dtype = self.norm.weight.dtype
         embeds, features = embeds.to(dtype), features.to(dtype)
         if features.size(-1) != self.config.dim:  # the shape says which: no data-dependent branch
             features = self.fc(features)
-        return self.layer(embeds, features, self.rope_cos[input_pos], self.rope_sin[input_pos], cache_pos, mask)
+        return self.layer(embeds, features, cos, sin, cache_pos, mask)
 
     def log_probs(self, hidden: Tensor, target_head=None) -> Tensor:
         return F.log_softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
@@ -179,9 +173,7 @@ class Eagle3Draft(nn.Module):
 
 def draft_config_for(target: ModelArgs, **overrides) -> ModelArgs:
     """The default draft shape for a target: one layer shaped like the target's own layers."""
-    fields = dict(target.to_dict(), n_layer=1, num_experts=0)
-    fields.update(overrides)
-    return ModelArgs(**fields)
+    return ModelArgs(**{**target.to_dict(), "n_layer": 1, "num_experts": 0, **overrides})
 
 
 # Growing a tree. The draft's cache keeps the accepted prefix in its first slots and the tree in
@@ -196,6 +188,11 @@ def draft_config_for(target: ModelArgs, **overrides) -> ModelArgs:
 def dynamic_tree_slots(top_k: int, depth: int) -> int:
     """Draft cache slots an EAGLE-2 tree needs: top_k frontier entries for each of depth - 1 levels."""
     return top_k * (depth - 1)
+
+
+def most_tokens(top_k: int, depth: int) -> int:
+    """The largest tree an EAGLE-2 tree of this top_k and depth can keep, root included."""
+    return 1 + top_k + (depth - 1) * top_k ** 2
 
 
 class Pool(NamedTuple):
@@ -217,8 +214,7 @@ def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, pre
     candidates; at the end the n_nodes - 1 best scores become the tree (with the root in front).
     Level d's frontier entries occupy region slots (d - 1) * top_k ... of the draft cache.
     Returns the Tree, and with with_pool also the Pool of candidates."""
-    B = root.size(0)
-    k, device = top_k, root.device
+    B, k, device = root.size(0), top_k, root.device
     region = dynamic_tree_slots(k, depth)
     region_start = draft.max_seq_length - region
     tokens, scores = expand(torch.zeros(B, 1, device=device), draft.log_probs(root_hidden, head)[:, None], k)
@@ -230,7 +226,6 @@ def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, pre
     frontier_features = root_hidden[:, None].expand(B, k, -1)  # the draft's output at each frontier node's parent
     frontier_sees = torch.zeros(B, k, region, dtype=torch.bool, device=device)  # ancestors' region slots
     own_slot = torch.eye(region, dtype=torch.bool, device=device)
-    pool_size = k
     for d in range(1, depth):
         sees = frontier_sees | own_slot[(d - 1) * k: d * k]
         hidden = draft(embed(frontier_tokens), frontier_features, (prefix_len + d - 1)[:, None],
@@ -242,16 +237,14 @@ def grow_dynamic_tree(draft, embed, head, root: Tensor, root_hidden: Tensor, pre
         pool_parents.append(frontier_pool.repeat_interleave(k, dim=1))
         best = child_scores.topk(k, dim=-1).indices  # [B, k] within this level's k * k children
         parent = best // k  # which frontier node proposed it
-        frontier_pool = pool_size + best
+        frontier_pool = k + (d - 1) * k * k + best  # the pool holds k at level 1, then k * k per level
         frontier_tokens, frontier_scores = child_tokens.gather(1, best), child_scores.gather(1, best)
         frontier_features = hidden.gather(1, parent[..., None].expand(-1, -1, hidden.size(-1)))
         frontier_sees = sees.gather(1, parent[..., None].expand(-1, -1, region))
-        pool_size += k * k
     pool_tokens, pool_scores = torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1)
     keep, parents = rerank(pool_scores, torch.cat(pool_parents, 1), n_nodes - 1)
     tokens = torch.cat([root[:, None], pool_tokens.gather(1, keep)], dim=1)
-    node_depth, ancestors, paths = tree_structure(parents, depth)
-    tree = Tree(tokens, parents, node_depth, ancestors, paths)
+    tree = Tree(tokens, parents, *tree_structure(parents, depth))
     if not with_pool:
         return tree
     levels = torch.repeat_interleave(torch.arange(1, depth + 1, device=device),
@@ -266,8 +259,7 @@ def grow_static_tree(draft, embed, head, tree: StaticTree, root: Tensor, root_hi
     however many children it has), node i of level d takes its parent's ranks[i]-th guess, and
     one draft forward over level d gives the outputs its children are guessed from. Node i's
     entry occupies region slot i - 1 of the draft cache."""
-    B, T = root.size(0), tree.parents.numel()
-    device = root.device
+    B, T, device = root.size(0), tree.parents.numel(), root.device
     region_start = draft.max_seq_length - (T - 1)
     sees_all = tree.ancestors[:, 1:]  # region slot j holds node j + 1; the root is in the prefix
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -303,11 +295,10 @@ def lookup_continuation(history: Tensor, length: Tensor, k: int, max_ngram: int 
     really has (the rest are filler: any proposal is lossless), ngram [B]: n of the match, 0 when
     there is none (the tokens are then filler too))."""
     B, H = history.shape
-    device = history.device
-    idx = torch.arange(H, device=device)
+    idx = torch.arange(H, device=history.device)
     last = length - 1
-    run = torch.ones(B, H, dtype=torch.bool, device=device)  # the n-gram ending at i matches so far
-    n = torch.zeros(B, H, dtype=torch.long, device=device)
+    run = torch.ones_like(history, dtype=torch.bool)  # the n-gram ending at i matches so far
+    n = torch.zeros_like(history, dtype=torch.long)
     for j in range(max_ngram):
         here = history.gather(1, (idx - j).clamp(min=0).expand(B, H))       # token i - j
         there = history.gather(1, (last - j).clamp(min=0)[:, None])          # token last - j
@@ -318,6 +309,6 @@ def lookup_continuation(history: Tensor, length: Tensor, k: int, max_ngram: int 
     best = score.max(1)
     ngram = torch.where(best.values >= 0, n.gather(1, best.indices[:, None])[:, 0], 0)
     start = best.indices + 1
-    tokens = history.gather(1, (start[:, None] + torch.arange(k, device=device)).clamp(max=H - 1))
+    tokens = history.gather(1, (start[:, None] + torch.arange(k, device=history.device)).clamp(max=H - 1))
     n_valid = torch.where(ngram > 0, (length - start).clamp(0, k), 0)
     return tokens, n_valid, ngram

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation
+from draft import dynamic_tree_slots, grow_dynamic_tree, grow_static_tree, lookup_continuation, most_tokens
 from model import Transformer, TreeMask, copy_slots
 from sampling import cut_at_stop, is_stop, logits_to_probs, sample, sample_from
 from trees import Tree, graft_chain, tree_structure
@@ -45,37 +45,27 @@ def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] 
     at the target's argmax: the child equal to the argmax is accepted, else the argmax is emitted.
     """
     B, T, V = logits.shape
-    max_depth = tree.paths.size(-1) - 1
     rows = torch.arange(B, device=logits.device)
     node = torch.zeros(B, dtype=torch.long, device=logits.device)
     alive = torch.ones(B, dtype=torch.bool, device=logits.device)
     bonus = torch.zeros(B, dtype=torch.long, device=logits.device)
-    if temperature == 0:
-        # The walk below with p one-hot, on token ids: at each node the child equal to the target's
-        # argmax is accepted (children are distinct tokens), else the argmax is the bonus. The same
-        # decisions without a vocabulary-sized tensor per depth.
-        best = logits.argmax(-1)  # [B, T]: the target's token after each node
-        for _ in range(max_depth + 1):
-            want = best[rows, node]
-            hit = (tree.parents == node[:, None]) & (tree.tokens == want[:, None])
-            found = hit.any(1)
-            bonus = torch.where(alive & ~found, want, bonus)
-            node = torch.where(alive & found, hit.int().argmax(1), node)
-            alive = alive & found
-        return node, tree.depth[rows, node], bonus
-    for _ in range(max_depth + 1):  # the last pass only draws the bonus at a deepest node
-        p = logits_to_probs(logits[rows, node], temperature, top_k, top_p)
+    for _ in range(tree.paths.size(-1)):  # the last pass only draws the bonus at a deepest node
         is_child = tree.parents == node[:, None]  # [B, T], in rank order
-        p_child = p.gather(1, tree.tokens) * is_child
-        mass_before = p_child.cumsum(1) - p_child  # higher-ranked siblings already rejected
-        ratio = p_child / (1 - mass_before).clamp(min=1e-30)
-        hit = is_child & (torch.rand(B, T, device=logits.device) < ratio)
+        if temperature == 0:  # p one-hot at the argmax: the same walk on token ids, no probabilities
+            drawn = logits[rows, node].argmax(-1)
+            hit = is_child & (tree.tokens == drawn[:, None])
+        else:
+            p = logits_to_probs(logits[rows, node], temperature, top_k, top_p)
+            p_child = p.gather(1, tree.tokens) * is_child
+            mass_before = p_child.cumsum(1) - p_child  # higher-ranked siblings already rejected
+            ratio = p_child / (1 - mass_before).clamp(min=1e-30)
+            hit = is_child & (torch.rand(B, T, device=logits.device) < ratio)
+            # Rows that accept no child stop here; their next token is drawn from p without the children.
+            child_tokens = torch.where(is_child, tree.tokens, V)  # V: a dummy column for non-children
+            residual = torch.cat([p, p.new_zeros(B, 1)], 1).scatter(1, child_tokens, 0.0)[:, :V]
+            residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p)  # float round-off guard
+            drawn = sample_from(residual)  # (unnormalised is fine)
         found = hit.any(1)
-        # Rows that accept no child stop here; their next token is drawn from p without the children.
-        child_tokens = torch.where(is_child, tree.tokens, V)  # V: a dummy column for non-children
-        residual = torch.cat([p, p.new_zeros(B, 1)], 1).scatter(1, child_tokens, 0.0)[:, :V]
-        residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p)  # float round-off guard
-        drawn = sample_from(residual)  # (unnormalised is fine)
         bonus = torch.where(alive & ~found, drawn, bonus)
         node = torch.where(alive & found, hit.int().argmax(1), node)
         alive = alive & found
@@ -119,10 +109,10 @@ class Speculator(nn.Module):
                 raise ValueError(f"the tree's top_k must be in [1, {vocab}], got {tree_top_k}")
             if tree_depth < 1:
                 raise ValueError(f"the tree's depth must be >= 1, got {tree_depth}")
-            most = 1 + tree_top_k + (tree_depth - 1) * tree_top_k ** 2
+            most = most_tokens(tree_top_k, tree_depth)
             if not 2 <= tree_tokens <= most:
-                raise ValueError(f"the tree's tokens must be in [2, {most}] for top_k {tree_top_k} and depth {tree_depth}, "
-                                 f"got {tree_tokens}")
+                raise ValueError(f"the tree's tokens must be in [2, {most}] for top_k {tree_top_k} and depth "
+                                 f"{tree_depth}, got {tree_tokens}")
             # The draft grows no deeper than the tree can reach: a candidate's score is at most its
             # parent's, so the tree_tokens - 1 best never lie below depth tree_tokens - 1, and a level
             # more would be a draft forward for nothing.
@@ -221,19 +211,16 @@ class Speculator(nn.Module):
         if self.lookup:
             tree = self.add_lookup(tree)
         logits, features = self.verify(tree)
-        node, n_accepted, bonus = accept(tree, logits, *self.sampling)  # the path to node, then the target's token
-        path = self.compact(tree, node)
-        self.advance(tree, path, n_accepted, bonus, features)
+        self.finish(tree, logits, features)
 
     def catch_up(self) -> Tensor:
         """The draft reads the pairs accepted since it last ran, at positions L - cu_count ...
         (unused trailing entries are overwritten later). Returns its output at the root [B, dim],
         which predicts the root's children."""
-        B, device = self.root.size(0), self.root.device
-        steps = torch.arange(self.depth + 1, device=device)
+        device = self.root.device
         hidden = self.draft(self.target.tok_embeddings(self.cu_tokens), self.cu_features,
-                            (self.prefix_len - self.cu_count)[:, None] + steps)
-        return hidden[torch.arange(B, device=device), self.cu_count - 1]
+                            (self.prefix_len - self.cu_count)[:, None] + torch.arange(self.depth + 1, device=device))
+        return hidden[torch.arange(hidden.size(0), device=device), self.cu_count - 1]
 
     def grow(self, root_hidden: Tensor, with_pool: bool = False):
         """The tree of guesses (and, with_pool, a dynamic tree's pool of candidates: auto_shape)."""
@@ -246,15 +233,14 @@ class Speculator(nn.Module):
 
     def root_tree(self) -> Tree:
         """The tree of the root alone (no draft: prompt lookup adds the guesses)."""
-        B, device = self.root.size(0), self.root.device
-        parents = torch.full((B, 1), -1, dtype=torch.long, device=device)
+        parents = torch.full_like(self.root[:, None], -1)
         return Tree(self.root[:, None], parents, *tree_structure(parents, 0))
 
     def add_lookup(self, tree: Tree) -> Tree:
         """tree plus prompt lookup's chain of guesses, grafted below the deepest node whose path
         it repeats (tree.graft_chain)."""
-        D = tree.paths.size(-1) - 1
-        chain, _, _ = lookup_continuation(self.history, self.prefix_len + 1, D + self.lookup, self.lookup_ngram)
+        depth = tree.paths.size(-1) - 1 + self.lookup
+        chain, _, _ = lookup_continuation(self.history, self.prefix_len + 1, depth, self.lookup_ngram)
         return graft_chain(tree, chain, self.lookup)
 
     def verify(self, tree: Tree):
@@ -266,6 +252,14 @@ class Speculator(nn.Module):
             tree.tokens, L[:, None] + tree.depth, region_start + torch.arange(self.n_nodes, device=L.device),
             TreeMask(L, tree.ancestors), return_features=True, layer_ids=self.layer_ids)
         return logits, None if self.draft is None else self.draft.select_features(final, layer_inputs)
+
+    def finish(self, tree: Tree, logits: Tensor, features: Optional[Tensor]):
+        """A round's end after verify: accept, compact, advance. Returns the accepted path and the
+        number of accepted guesses (autoshape.py times this part alone)."""
+        node, n_accepted, bonus = accept(tree, logits, *self.sampling)  # the path to node, then the target's token
+        path = self.compact(tree, node)
+        self.advance(tree, path, n_accepted, bonus, features)
+        return path, n_accepted
 
     def compact(self, tree: Tree, node: Tensor) -> Tensor:
         """Copy the accepted nodes' K/V from the tree region to the slots after the prefix, in every
@@ -306,8 +300,7 @@ class Speculator(nn.Module):
         prefix_len (no tree) and samples the next token exactly as generate() does. The pair
         (root's feature, next token) joins the draft's catch-up input, so that a later round starts
         where the draft left off; it holds depth + 1 pairs, and flush() makes room."""
-        B, device = self.root.size(0), self.root.device
-        rows = torch.arange(B, device=device)
+        rows = torch.arange(self.root.size(0), device=self.root.device)
         logits, final, layer_inputs = self.target(self.root[:, None], self.prefix_len[:, None], return_features=True,
                                                   layer_ids=self.layer_ids)
         nxt = sample(logits[:, -1], *self.sampling)
@@ -332,8 +325,7 @@ class Speculator(nn.Module):
     def flush(self):
         """The draft reads the catch-up pairs that plain steps gathered; the last one stays for the
         next round's catch-up (which reads it again: the same entry, rewritten)."""
-        B, device = self.root.size(0), self.root.device
-        rows = torch.arange(B, device=device)
+        rows = torch.arange(self.root.size(0), device=self.root.device)
         self.catch_up()
         last = (self.cu_count - 1).clamp(min=0)
         self.cu_tokens[:, 0] = self.cu_tokens[rows, last]
@@ -342,10 +334,6 @@ class Speculator(nn.Module):
         # Inductor's freezing makes a buffer that a graph only reads a constant of the graph: writing
         # prefix_len back keeps it an input, or the catch-up would read later pairs at stale positions.
         self.prefix_len.copy_(self.prefix_len)
-
-    def lookup_signal(self) -> Tensor:
-        """[B]: the n-gram length of prompt lookup's match at the text's end now (0: none)."""
-        return lookup_continuation(self.history, self.prefix_len + 1, 1, self.lookup_ngram)[2]
 
 
 # Adaptive decoding. A tree pays only while the text is predictable: the driver keeps slow running
@@ -385,11 +373,6 @@ def decayed(old: Optional[float], new: float) -> float:
     return new if old is None else (1 - ADAPT_DECAY) * old + ADAPT_DECAY * new
 
 
-def rounds_pay(pace: Pace) -> bool:
-    """Whether a round is predicted to emit tokens faster than plain steps do."""
-    return pace.tokens / pace.round_s >= 1 / pace.step_s
-
-
 def next_mode(pace: Pace, plain_run: int) -> str:
     """The adaptive driver's choice: measure what is unmeasured (rounds first), then whichever is
     faster; a plain stretch probes with a round every PROBE_EVERY steps."""
@@ -397,9 +380,8 @@ def next_mode(pace: Pace, plain_run: int) -> str:
         return "round"
     if pace.step_s is None:
         return "plain"
-    if rounds_pay(pace):
-        return "round"
-    return "round" if plain_run >= PROBE_EVERY else "plain"
+    rounds_pay = pace.tokens / pace.round_s >= 1 / pace.step_s  # a round emits tokens faster than steps do
+    return "round" if rounds_pay or plain_run >= PROBE_EVERY else "plain"
 
 
 @torch.no_grad()
@@ -418,30 +400,28 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
     round_fn = round_fn or spec.round
     B = prompt.size(0)
     n_out, done = [1] * B, spec.done.tolist()
-    emitted = [[] for _ in range(B)]
-    plain_steps = [0] * B
+    emitted, plain_steps = [[] for _ in range(B)], [0] * B
     pace = getattr(spec, "pace", Pace())._replace(tokens=None)
     cu_count, plain_run = 1, 0
     if callback is not None:
         callback(spec.out[:, 0])
     while not all(done):
+        mode = next_mode(pace, plain_run) if adaptive else "round"
         if force_modes is not None:
             mode = next(force_modes)
-        else:
-            mode = next_mode(pace, plain_run) if adaptive else "round"
-        steps = 1
-        if mode == "plain":
-            if spec.draft is not None and spec.depth + 1 - cu_count < PLAIN_BURST:
-                spec.flush()  # room for the burst's pairs in the draft's catch-up input
-                cu_count = 1
-            steps = min(PLAIN_BURST, spec.depth + 1 - cu_count)
+        if mode == "plain" and spec.draft is not None and spec.depth + 1 - cu_count < PLAIN_BURST:
+            spec.flush()  # room for the burst's pairs in the draft's catch-up input
+            cu_count = 1
+        steps = min(PLAIN_BURST, spec.depth + 1 - cu_count)  # a plain burst's
         t = time.perf_counter()
         if mode == "round":
             round_fn()
         else:
             for _ in range(steps):
                 spec.plain_step()
-        signal = spec.lookup_signal() if spec.lookup and mode == "plain" else torch.zeros_like(spec.n_out)
+        signal = torch.zeros_like(spec.n_out)  # the n-gram length of prompt lookup's match at the text's end
+        if spec.lookup and mode == "plain":
+            signal = lookup_continuation(spec.history, spec.prefix_len + 1, 1, spec.lookup_ngram)[2]
         state = torch.cat([spec.n_out, spec.done.long(), spec.cu_count, signal]).tolist()
         seconds = time.perf_counter() - t
         new_n, done_now, cu = state[:B], state[B:2 * B], state[2 * B:3 * B]
@@ -449,17 +429,16 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
             for tok in spec.out[0, n_out[0]:new_n[0]].tolist():
                 callback(torch.tensor([tok]))
         active = [b for b in range(B) if not done[b]]
-        for b in active:
-            if mode == "round":
-                emitted[b].append(new_n[b] - n_out[b])
-            else:
-                emitted[b] += [1] * (new_n[b] - n_out[b])
-                plain_steps[b] += new_n[b] - n_out[b]
+        made = {b: new_n[b] - n_out[b] for b in active}
         if mode == "round":
-            made = sum(new_n[b] - n_out[b] for b in active) / max(1, len(active))
-            pace = observe(pace, "round", seconds, made)
+            for b in active:
+                emitted[b].append(made[b])
+            pace = observe(pace, "round", seconds, sum(made.values()) / max(1, len(active)))
             plain_run = 0
         else:
+            for b in active:
+                emitted[b] += [1] * made[b]
+                plain_steps[b] += made[b]
             pace = observe(pace, "plain", seconds / steps)
             plain_run += steps
             if max(state[3 * B:]) >= LOOKUP_TRIGGER:
