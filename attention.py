@@ -1,9 +1,8 @@
 """Which attention kernel serves a mask on a device: every model.Attention calls its `attend`, and
 use_attention sets it for a whole model or draft: model.sdpa (PyTorch's scaled_dot_product_attention
-over a dense mask), cpu_attention (the same attention in the forms fastest on a CPU) or
-tree_kernel_attention (on CUDA, a TreeMask through the fused Triton kernel of
-gpu_kernels/tree_attention.py, which reads the prefix without a mask). invariant.py sets a kernel of
-its own for the batch-invariant mode.
+over a dense mask), cpu_attention (the same attention in the forms fastest on a CPU) or tree_kernel_attention
+(on CUDA, a TreeMask through the fused Triton kernel of gpu_kernels/tree_attention.py, which reads the
+prefix without a mask). invariant.py sets a kernel of its own for the batch-invariant mode.
 """
 import sys
 

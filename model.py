@@ -71,8 +71,6 @@ class ModelArgs:
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
         """gpt-fast convention: the longest known config name contained in `name` (case-insensitive)."""
-        if name in transformer_configs:
-            return cls(**transformer_configs[name])
         hits = [k for k in transformer_configs if k.lower() in name.lower()]
         if not hits:
             raise ValueError(f"unknown model name {name!r} and no {CONFIG_FILE} beside the checkpoint; convert it with "
@@ -207,22 +205,20 @@ class Transformer(nn.Module):
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         """Allocate the KV cache and the RoPE table once; later calls with sizes that fit are free.
         Every layer's cache is a view of kv_storage (copy_slots moves entries in all of them at once)."""
-        if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
-            if not self._caches_are_views():  # .to() or .float() after setup copied each buffer apart
-                for layer, storage in zip(self.layers, self.kv_storage):
-                    layer.attention.kv_cache = KVCache(storage)
+        if self.max_seq_length < max_seq_length or self.max_batch_size < max_batch_size:
+            self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+            c = self.config
+            dtype, device = self.norm.weight.dtype, self.norm.weight.device
+            kv_heads = self.layers[0].attention.n_local_heads  # this rank's share under tensor parallelism (tp.py)
+            self.register_buffer("kv_storage", torch.zeros(c.n_layer, 2, max_batch_size, kv_heads, max_seq_length,
+                                                           c.head_dim, dtype=dtype, device=device), persistent=False)
+            cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+            self.register_buffer("rope_cos", cos.to(device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        elif self._caches_are_views():  # else .to() or .float() after setup copied each buffer apart
             return
-        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        c = self.config
-        dtype, device = self.norm.weight.dtype, self.norm.weight.device
-        kv_heads = self.layers[0].attention.n_local_heads  # this rank's share under tensor parallelism (tp.py)
-        self.register_buffer("kv_storage", torch.zeros(c.n_layer, 2, max_batch_size, kv_heads, max_seq_length,
-                                                       c.head_dim, dtype=dtype, device=device), persistent=False)
         for layer, storage in zip(self.layers, self.kv_storage):
             layer.attention.kv_cache = KVCache(storage)
-        cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def _caches_are_views(self) -> bool:
         first = self.layers[0].attention.kv_cache.k_cache

@@ -6,7 +6,7 @@ that drift on the machine hits both. defaults.py turns the mode on where both co
     python research/invariant_cost.py --compile --dtype bfloat16 --out /tmp/invariant_cost-cpu-bf16
 
 The round is Speculator.round (one graph with --compile, as generate.py compiles it) with the default
-compiled CPU tree unless the tree flags say otherwise, on common.py's chat prompts. Writes
+compiled CPU tree unless the tree flags say otherwise, on four chat prompts. Writes
 OUT.json and OUT.md (default OUT: benchmarks/invariant_cost-MODEL-cpu-DTYPE).
 """
 import argparse
@@ -23,9 +23,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "research")]
 import compiling  # noqa: E402
 import defaults  # noqa: E402
 import generate as gen  # noqa: E402
-from common import (load_pair, make_speculator, prompt_ids, rounds_from, run_header, step_seconds,  # noqa: E402
-                    write_report)
+import invariant  # noqa: E402
+import speculative  # noqa: E402
+from checkpoint import load_draft, load_model  # noqa: E402
+from common import run_header, write_report  # noqa: E402
+from cpu import pack_linears  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
+
+PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
+           "What are the pros and cons of electric cars?", "How do I make a good cup of tea?"]
 
 
 def parse_args(argv=None):
@@ -49,14 +55,53 @@ def parse_args(argv=None):
 
 
 def make_target(args, batch_invariant: bool):
-    """One copy of the target and head, its step and its round, compiled as generate.py compiles them."""
-    model, draft = load_pair(args, args.dtype, batch_invariant)
+    """One copy of the target and head, its step and its round, as generate.py runs them on a CPU
+    (compiled, or eager with the linears packed for oneDNN)."""
+    model = load_model(args.checkpoint_path, "cpu", getattr(torch, args.dtype))
+    if batch_invariant:
+        invariant.enable(model)
+    draft = load_draft(args.draft_checkpoint_path, model.config, "cpu", getattr(torch, args.dtype),
+                       arch=gen.SPECULATE["eagle3"]["arch"])
+    if not args.compile:
+        pack_linears(model)
+        pack_linears(draft)
     step = compiling.compile_step(gen.decode_one_token, "cpu", model) if args.compile else gen.decode_one_token
-    spec = make_speculator(args, model, draft)
+    spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
+                                  tree_tokens=args.tree_tokens, stop_ids=())  # no stop: rounds keep coming
+    spec.setup(1, args.context)
     round_fn = spec.round
     if args.compile:
         round_fn = compiling.compile_function(spec.round, "cpu", (model, draft), options=compiling.ROUND_OPTIONS)
     return dict(model=model, step=step, spec=spec, round=round_fn, ms=dict(step=[], round=[]))
+
+
+def prompt_ids(tokenizer, i):
+    return torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])])
+
+
+def step_seconds(model, step, prompt, n: int) -> list:
+    """The seconds of each of n plain decode steps (`step`: decode_one_token's signature) after prompt."""
+    token = gen.prefill(model, prompt, 0.0, None, None)
+    pos = torch.tensor([prompt.size(1)])
+    seconds = []
+    for _ in range(n):
+        t = time.perf_counter()
+        token = step(model, token.clone(), pos, 0.0, None, None)
+        seconds.append(time.perf_counter() - t)
+        pos += 1
+    return seconds
+
+
+def rounds_from(spec, tokenizer, n, round_fn):
+    """The seconds of each of n rounds, from a fresh prompt every 16 (the cache never fills)."""
+    seconds = []
+    for i in range(n):
+        if i % 16 == 0:
+            spec.prefill(prompt_ids(tokenizer, i // 16), 16 * (spec.depth + 1))
+        t = time.perf_counter()
+        round_fn()
+        seconds.append(time.perf_counter() - t)
+    return seconds
 
 
 @torch.no_grad()

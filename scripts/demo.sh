@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
 # End-to-end demo: set up .venv, fetch and convert SmolLM2-135M-Instruct, then answer one chat
 # prompt twice with `generate.py --compare`: plainly, then with EAGLE speculative decoding
-# (streamed), and print both speeds, the speedup, tau (tokens per speculative round; the plain
-# steps that adaptive decoding took where rounds did not pay are counted apart) and whether the
-# two answers are identical.
+# (streamed), and print both speeds, the speedup, tau and whether the two answers are identical.
 #
 # The head: the EAGLE-3 one (checkpoints/NAME/eagle3/), which accepts more of its guesses than the
 # EAGLE-2 one and costs less a round (benchmarks/RESULTS.md, "Heads"); DEMO_SPECULATE=eagle2 (or
 # eagle) picks the other. Everything else is generate.py's default for this machine (defaults.py):
-# on a CPU compiled (a minute or two the first time, then loaded from the disk cache) in bfloat16,
-# with the tree of the CPU's row. Where the row puts the target in batch-invariant mode the two
-# answers are identical in bfloat16 too; elsewhere the speculative answer can differ from the plain
-# one where two tokens nearly tie, which the demo says. Extra arguments go to generate.py and win
-# over these, e.g.
+# on a CPU compiled (a minute or two the first time, then loaded from the disk cache) in bfloat16.
+# Where defaults.py puts the target in batch-invariant mode the two answers are identical in bfloat16
+# too; elsewhere they can differ where two tokens nearly tie, which the demo says. Extra arguments go
+# to generate.py and win over these, e.g.
 #   bash scripts/demo.sh --prompt "Name three primes." --max_new_tokens 64
 #   bash scripts/demo.sh --dtype float32       # identical answers, token for token
 #   bash scripts/demo.sh --no-compile          # eager: no compile time, slower decoding
@@ -38,10 +35,7 @@ case "$SPECULATE" in
     "") echo "[demo] no EAGLE head in $CKPT_DIR (prepare.sh copies them from heads/)" >&2; exit 1 ;;
     *) echo "[demo] DEMO_SPECULATE must be eagle, eagle2 or eagle3, not '$SPECULATE'" >&2; exit 1 ;;
 esac
-if [ ! -d "$DRAFT_DIR" ]; then
-    echo "[demo] no $SPECULATE head at $DRAFT_DIR" >&2
-    exit 1
-fi
+[ -d "$DRAFT_DIR" ] || { echo "[demo] no $SPECULATE head at $DRAFT_DIR" >&2; exit 1; }
 
 GENERATE=(.venv/bin/python generate.py
     --checkpoint_path "$CKPT_DIR/model.pth"

@@ -137,11 +137,8 @@ left() { echo $(( TOTAL_S - SECONDS )); }
 run() {  # run NAME SECONDS CMD...: CMD with a hard time limit, its output in details/NAME.log
     local name="$1" limit="$2" t0=$SECONDS rc
     shift 2
-    if [ "$limit" -lt 10 ]; then
-        log "$name: skipped (no time left)"
-        return 1
-    fi
-    if [ "$DRY" = 1 ]; then limit=300; fi
+    [ "$limit" -lt 10 ] && { log "$name: skipped (no time left)"; return 1; }
+    [ "$DRY" = 1 ] && limit=300
     log "$name: $* (limit ${limit} s)"
     timeout --kill-after=10 "$limit" "$@" > "$OUT/details/$name.log" 2>&1
     rc=$?

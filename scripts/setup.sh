@@ -22,6 +22,7 @@ for arg in "$@"; do
 done
 
 log() { echo "[setup] $*"; }
+die() { echo "[setup] error: $*" >&2; exit 1; }
 
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
@@ -29,20 +30,12 @@ PYTHON="${PYTHON:-python3}"
 
 # 1. The virtual environment.
 if [ ! -x "$PY" ]; then
-    if ! command -v "$PYTHON" >/dev/null 2>&1; then
-        echo "[setup] error: '$PYTHON' not found; install Python >= 3.10 (or set PYTHON=/path/to/python3)" >&2
-        exit 1
-    fi
+    command -v "$PYTHON" >/dev/null 2>&1 \
+        || die "'$PYTHON' not found; install Python >= 3.10 (or set PYTHON=/path/to/python3)"
     log "creating virtual environment .venv ($("$PYTHON" -V 2>&1))"
-    if ! "$PYTHON" -m venv "$VENV"; then
-        echo "[setup] error: '$PYTHON -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2
-        exit 1
-    fi
+    "$PYTHON" -m venv "$VENV" || die "'$PYTHON -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)"
 fi
-if ! "$PY" -c '' >/dev/null 2>&1; then
-    echo "[setup] error: $PY does not run (was the Python it was made from removed?); delete .venv and rerun" >&2
-    exit 1
-fi
+"$PY" -c '' >/dev/null 2>&1 || die "$PY does not run (was the Python it was made from removed?); delete .venv and rerun"
 
 # -qq: errors only (-q still prints warnings).
 pip_install() { "$PY" -m pip install -qq --disable-pip-version-check "$@"; }
@@ -76,9 +69,7 @@ installed=0
 install_reqs() {  # install_reqs STAMP FILE...
     local stamp="$VENV/$1"; shift
     local want; want="$(req_hash "$@")"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-        return 0  # already installed
-    fi
+    [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return 0  # already installed
     log "installing $* (quiet; may take a few minutes)"
     local args=() f
     for f in "$@"; do args+=(-r "$f"); done
