@@ -49,10 +49,13 @@ def accept(tree: Tree, logits: Tensor, temperature: float, top_k: Optional[int] 
     node = torch.zeros(B, dtype=torch.long, device=logits.device)
     alive = torch.ones(B, dtype=torch.bool, device=logits.device)
     bonus = torch.zeros(B, dtype=torch.long, device=logits.device)
+    # Greedy: p one-hot at the argmax, the same walk on token ids: one argmax over every node up front,
+    # no vocabulary-sized tensor per depth.
+    best = logits.argmax(-1) if temperature == 0 else None  # [B, T]: the target's token after each node
     for _ in range(tree.paths.size(-1)):  # the last pass only draws the bonus at a deepest node
         is_child = tree.parents == node[:, None]  # [B, T], in rank order
-        if temperature == 0:  # p one-hot at the argmax: the same walk on token ids, no probabilities
-            drawn = logits[rows, node].argmax(-1)
+        if best is not None:
+            drawn = best[rows, node]
             hit = is_child & (tree.tokens == drawn[:, None])
         else:
             p = logits_to_probs(logits[rows, node], temperature, top_k, top_p)
