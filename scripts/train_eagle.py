@@ -70,25 +70,20 @@ class Preset:
     tau_max_tokens: int = 96     # tokens decoded per tau prompt
 
 
-PRESETS = {
-    "eagle": {
-        "smollm2-cpu": Preset(),  # SmolLM2-135M on a CPU
-        "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
-                      lr=3e-4, warmup_steps=500, unroll=3),
-        "tiny": Preset(n_shards=3, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,  # for tests
-                       batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
-    },
-    "eagle3": {
-        # SmolLM2-135M on a CPU, over several sessions: the shards are kept in git (data/), the state resumes
-        "smollm2-cpu": Preset(prompt_max_tokens=128, answer_max_tokens=256, sampled_fraction=0.15, val_fraction=0.03,
-                              epochs=4, unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
-                              eval_every=250, tau_max_tokens=128),
-        "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
-                      lr=3e-4, warmup_steps=500, unroll=7, tau_depth=8, sampled_fraction=0.15, val_fraction=0.02),
-        "tiny": Preset(n_shards=3, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,
-                       batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25, unroll=3, keep_top=8,
-                       draft_vocab_size=256, tau_depth=4, save_every=2),
-    },
+PRESETS = {"eagle": {
+    "smollm2-cpu": Preset(),  # SmolLM2-135M on a CPU
+    "gpu": Preset(n_shards=160, answer_max_tokens=768, gen_batch=256, epochs=10, batch_tokens=32768,
+                  lr=3e-4, warmup_steps=500, unroll=3),
+    "tiny": Preset(n_shards=3, prompt_max_tokens=12, answer_max_tokens=16, gen_batch=8, epochs=2,  # for tests
+                   batch_tokens=256, lr=3e-3, warmup_steps=2, val_fraction=0.25),
+}}
+PRESETS["eagle3"] = {
+    # SmolLM2-135M on a CPU, over several sessions: the shards are kept in git (data/), the state resumes
+    "smollm2-cpu": Preset(prompt_max_tokens=128, answer_max_tokens=256, sampled_fraction=0.15, val_fraction=0.03,
+                          epochs=4, unroll=5, lr=1e-3, warmup_steps=100, draft_vocab_size=8192, save_every=25,
+                          eval_every=250, tau_max_tokens=128),
+    "gpu": replace(PRESETS["eagle"]["gpu"], unroll=7, tau_depth=8, sampled_fraction=0.15, val_fraction=0.02),
+    "tiny": replace(PRESETS["eagle"]["tiny"], unroll=3, keep_top=8, draft_vocab_size=256, tau_depth=4, save_every=2),
 }
 
 
@@ -142,16 +137,15 @@ def generate_batch(model, prompts, max_new_tokens, temperature, top_k, stop_ids,
     setup_rows(model, B, L + max_new_tokens + 1)
     padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=device)
     last = torch.zeros(B, model.config.vocab_size, device=device)
-    rows = torch.arange(B, device=device)
+    live = torch.arange(B, device=device)  # which prompt each batch row answers
     for c0 in range(0, L, chunk):
         c1 = min(L, c0 + chunk)
         logits = model(padded[:, c0:c1], torch.arange(c0, c1, device=device), kv_len=c1)
         inside = (lengths - 1 >= c0) & (lengths - 1 < c1)  # rows whose last prompt token is in this chunk
-        last = torch.where(inside[:, None], logits[rows, (lengths - 1 - c0).clamp(0, c1 - c0 - 1)], last)
+        last = torch.where(inside[:, None], logits[live, (lengths - 1 - c0).clamp(0, c1 - c0 - 1)], last)
     token = sample_rows(last, temps, top_k)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     answers = torch.full((B, max_new_tokens), -1, dtype=torch.long)
-    live = torch.arange(B, device=device)  # which prompt each batch row answers
     done = torch.zeros(B, dtype=torch.bool, device=device)
     pos = lengths.clone()
     for step in range(max_new_tokens):
@@ -282,16 +276,12 @@ def assistant_mask(ids, header, stop_ids):
     """Per token: whether it belongs to an assistant answer (after a header, up to its stop token included)."""
     mask, i, h = [False] * len(ids), 0, len(header)
     while i + h <= len(ids):
-        if ids[i:i + h] == header:
-            j = i + h
-            while j < len(ids):
-                mask[j] = True
-                if ids[j] in stop_ids:
-                    break
-                j += 1
-            i = j + 1
-        else:
+        if ids[i:i + h] != header:
             i += 1
+            continue
+        stop = next((j for j in range(i + h, len(ids)) if ids[j] in stop_ids), len(ids))
+        mask[i + h:stop + 1] = [True] * len(ids[i + h:stop + 1])
+        i = stop + 1
     return mask
 
 
@@ -312,10 +302,9 @@ def make_conversation_shard(model, tokenizer, preset: Preset, index: int, seed: 
     n_try = preset.gen_batch + preset.gen_batch // 4  # some messages fail the filter
     categories = [rng.choice(CATEGORIES) for _ in range(n_try)]
     openers = [rng.choice(OPENERS[c]) for c in categories]
-    prefix = next_user_prefix(tokenizer, [])  # up to where a user's first message begins
+    first = seeded_messages(model, tokenizer, [next_user_prefix(tokenizer, [])] * n_try, openers, preset, stop_ids)
     seen, convs = set(), []
-    for text, category in zip(seeded_messages(model, tokenizer, [prefix] * n_try, openers, preset, stop_ids),
-                              categories):
+    for text, category in zip(first, categories):
         if text and keep_prompt(text, seen) and len(convs) < preset.gen_batch:
             convs.append({"messages": [{"role": "user", "content": text}], "category": category,
                           "temperature": 1.0 if rng.random() < preset.sampled_fraction else 0.0,
@@ -461,8 +450,7 @@ def choose_vocab(counts: torch.Tensor, size: int, keep: torch.Tensor | None = No
 
 def vocab_coverage(records, vocab: torch.Tensor, vocab_size: int) -> float:
     """The share of the target's argmax tokens at learned positions that vocab holds (the others cannot be drafted)."""
-    inside = np.zeros(vocab_size, dtype=bool)
-    inside[vocab.numpy()] = True
+    inside = (index_of_vocab(vocab, vocab_size) >= 0).numpy()
     top1 = [np.asarray(r["top_ids"][:, 0], dtype=np.int64)[np.asarray(r["learn"], dtype=bool)] for r in records]
     return sum(int(inside[t].sum()) for t in top1) / max(1, sum(t.size for t in top1))
 
@@ -488,8 +476,7 @@ def widen_vocab(draft: Eagle3Draft, vocab: torch.Tensor, head_weight: torch.Tens
     wide = copy.deepcopy(draft)
     wide.draft_vocab_size = vocab.numel()
     wide.lm_head = torch.nn.Linear(weight.size(1), vocab.numel(), bias=False, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        wide.lm_head.weight.copy_(rows)
+    wide.lm_head.weight = torch.nn.Parameter(rows.to(weight.device))
     wide.vocab = vocab.to(draft.vocab.device)  # (a registered buffer: saved with the head)
     return wide
 
@@ -588,11 +575,10 @@ def draft_losses(draft, embed, head, ids, feats, learn, preset: Preset, noise: b
     return results
 
 
-# EAGLE-3's training-time test: step 0 reads the target's fused features; step k feeds the draft's
-# outputs of step k - 1 back, as a depth-k tree node does: at index t it holds (o^{k-1}_t, tok_{t+k+1})
-# at RoPE position t + k and sees the true entries up to t plus its own chain (steps 1 .. k at index t).
-# Its loss: the soft cross-entropy against the target's distribution at t + k + 1 over the draft
-# vocabulary, weighted unroll_decay ** k.
+# EAGLE-3's training-time test: step 0 reads the target's fused features; step k feeds the draft's outputs of
+# step k - 1 back, as a depth-k tree node does: at index t it holds (o^{k-1}_t, tok_{t+k+1}) at RoPE position
+# t + k and sees the true entries up to t plus its own chain (steps 1 .. k at index t). Its loss: the soft
+# cross-entropy against the target's distribution at t + k + 1 over the draft vocabulary, weighted unroll_decay ** k.
 def collate3(items, device, draft_index: torch.Tensor):
     """ids [B, n]; features [B, n, F]; the target's top tokens as draft-vocab indices [B, n, K] (-1:
     outside it) with probabilities renormalised over the draft vocabulary; learn [B, n]: answer
@@ -646,9 +632,8 @@ def eagle3_unroll(draft, embed, ids, feats, unroll: int):
 
 
 def eagle3_losses(draft, embed, ids, feats, top_idx, top_p, learn, answer, preset: Preset):
-    """Per unrolled step k: (weighted loss, summed soft CE, hits, positions with a loss, answer
-    positions). The LM head runs only where there is a loss; an answer whose target is outside the
-    draft vocabulary is a miss."""
+    """Per unrolled step k: (weighted loss, summed soft CE, hits, positions with a loss, answer positions). The LM head
+    runs only where there is a loss; an answer whose target is outside the draft vocabulary is a miss."""
     results = []
     for k, h in enumerate(eagle3_unroll(draft, embed, ids, feats, preset.unroll)):
         sel = _shift(learn, k + 1, False)  # the target at position t + k + 1; none past the end
@@ -674,9 +659,8 @@ def batch_losses(draft, target, items, preset: Preset, dtype: str, draft_index, 
 
 @torch.no_grad()
 def validate(draft, target, data, preset: Preset, dtype: str, draft_index=None) -> dict:
-    """Per unrolled step: EAGLE-1/2 "val_smooth_l1", "val_ce", "val_acc" (top-1); EAGLE-3 (draft_index)
-    "val_ce" (soft), "val_acc" (top-1, targets outside the vocabulary are misses), "val_acc_in_vocab"
-    (the same among those inside)."""
+    """Per unrolled step: EAGLE-1/2 "val_smooth_l1", "val_ce", "val_acc" (top-1); EAGLE-3 (draft_index) "val_ce" (soft),
+    "val_acc" (top-1, targets outside the vocabulary are misses), "val_acc_in_vocab" (the same among those inside)."""
     draft.eval()
     eagle3 = draft_index is not None
     sums = torch.zeros(preset.unroll, 4 if eagle3 else 3)
@@ -722,9 +706,8 @@ def setup_for_training(draft, max_len: int):
 
 
 def baseline_scores(args, target, init, val, tau_prompts, stop_ids, preset: Preset):
-    """The bar a new head must beat on this run's held-out data: the better of the head in out_dir
-    (--force) and the one training starts from (--init_from), as {"dir", "val_tau", "val_acc"}; None
-    without either."""
+    """The bar a new head must beat on this run's held-out data: the better of the head in out_dir (--force) and the one
+    training starts from (--init_from), as {"dir", "val_tau", "val_acc"}; None without either."""
     heads = {}  # resolved path -> (the path as given, the head): one directory is measured once
     if (args.out_dir / "draft.safetensors").exists():
         heads[args.out_dir.resolve()] = args.out_dir, load_draft(args.out_dir, target.config, args.device,
@@ -763,9 +746,8 @@ def train(target, data, tau_prompts, stop_ids, preset: Preset, args, vocab, on_e
     state, ship): ship when the head beats the best so far and baseline. The state is saved every
     save_every steps, at every validation and at max_steps; --resume continues it bit for bit (an
     epoch's batch order is rebuilt from the random state saved at its start)."""
-    device = target.norm.weight.device
     torch.manual_seed(args.seed)
-    draft = make_draft(target, args.arch, vocab, head_weight, init).to(device).train()
+    draft = make_draft(target, args.arch, vocab, head_weight, init).to(target.norm.weight.device).train()
     use_attention(draft)  # the attention kernels of the device it trains on
     index = index_of_vocab(vocab, target.config.vocab_size) if args.arch == "eagle3" else None
     setup_for_training(draft, max(len(r["ids"]) for r in data["train"] + data["val"]) + preset.unroll + 1)
@@ -944,8 +926,7 @@ def conversation_data(target, tokenizer, preset: Preset, args, vocab=None):
     info.update({"draft_vocab_size": preset.draft_vocab_size, "layer_ids": list(layer_ids),
                  "coverage_of_val_argmax": coverage})
     if vocab is not None:
-        info["vocab_from"] = str(args.init_from)
-        info["coverage_of_val_argmax_by_that_vocab"] = vocab_coverage(val, vocab, V)
+        info.update(vocab_from=str(args.init_from), coverage_of_val_argmax_by_that_vocab=vocab_coverage(val, vocab, V))
     if vocab is None or preset.draft_vocab_size > len(vocab):
         vocab = choose_vocab(counts, preset.draft_vocab_size, keep=vocab)
     return data, vocab, info
