@@ -133,9 +133,8 @@ def parse_args(argv=None):
 
     check(not args.device.startswith("cuda") or torch.cuda.is_available() or args.dry_run,
           f"--device {args.device} requested but CUDA is not available")
-    for flag, least in (("max_new_tokens", 1), ("num_questions", 1), ("chain_depth", 1), ("lookup", 0),
-                        ("lookup_alone", 1), ("temperatures", 0), ("time_budget", 0), ("steps", 1),
-                        ("prompt_length", 1)):
+    for flag, least in dict(max_new_tokens=1, num_questions=1, chain_depth=1, lookup=0, lookup_alone=1,
+                            temperatures=0, time_budget=0, steps=1, prompt_length=1).items():
         value = getattr(args, flag)
         value = min(value) if isinstance(value, list) else value
         check(value is None or value >= least, f"--{flag} must be >= {least}, got {value}")
@@ -156,6 +155,7 @@ def parse_args(argv=None):
               f"--groupsize must be one of {GROUPSIZES}, got {args.groupsize}")
         check(not (args.peers or args.batch_invariant),
               "--peers and --batch_invariant are for MT-bench runs (a checkpoint), not --random_weights")
+        args.tree_top_k, args.tree_depth = args.tree_top_k or TREE_TOP_K, args.tree_depth or TREE_DEPTH["eagle2"]
     else:
         check(args.model_name is None and args.quantize is None,
               "--model_name and --quantize are for --random_weights; a checkpoint carries its own")
@@ -178,17 +178,14 @@ def parse_args(argv=None):
     if args.dtype == "auto":  # as generate.py: eager on a CPU the mode holds in bf16 only
         eager_invariant = args.batch_invariant and not args.compile
         args.dtype = "bfloat16" if eager_invariant else defaults.row(args.device, args.compile).dtype
-    if args.batch_invariant:
-        problem = invariant.problem(args.device, args.dtype, args.compile, mode_from_path(args.checkpoint_path)[0],
-                                    tp.launched_by_torchrun())
-        if problem:
-            p.error(problem)
-    if args.out is None and args.random_weights:
-        name = Path(args.model_name).stem if args.model_name.endswith(".json") else args.model_name
-        args.out = ROOT / "benchmarks" / f"random-{name}"
-    args.out = args.out or ROOT / "benchmarks" / f"mt_bench-{args.checkpoint_path.parent.name}"
-    if args.random_weights:  # the shape of the rounds measured
-        args.tree_top_k, args.tree_depth = args.tree_top_k or TREE_TOP_K, args.tree_depth or TREE_DEPTH["eagle2"]
+    problem = args.batch_invariant and invariant.problem(
+        args.device, args.dtype, args.compile, mode_from_path(args.checkpoint_path)[0], tp.launched_by_torchrun())
+    if problem:
+        p.error(problem)
+    name = f"mt_bench-{args.checkpoint_path.parent.name}"
+    if args.random_weights:
+        name = "random-" + (Path(args.model_name).stem if args.model_name.endswith(".json") else args.model_name)
+    args.out = args.out or ROOT / "benchmarks" / name
     args.steps = args.steps or (100 if args.device.startswith("cuda") else 10)
     args.time_budget = float("inf") if args.time_budget is None else args.time_budget
     return args
@@ -206,12 +203,11 @@ def allow_many_graphs():
 def header(args, argv) -> dict:
     hardware = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else \
         f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    return {"hardware": hardware, "device": args.device, "dtype": args.dtype,
-            "draft3_dtype": args.draft3_dtype or args.dtype, "compiled": args.compile, "attention": args.attention,
-            "torch": torch.__version__, "batch_invariant": args.batch_invariant,
-            "tensor_parallel": args.shard.world_size if args.shard else 1,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    return dict(hardware=hardware, device=args.device, dtype=args.dtype, draft3_dtype=args.draft3_dtype or args.dtype,
+                compiled=args.compile, attention=args.attention, torch=torch.__version__,
+                batch_invariant=args.batch_invariant, tensor_parallel=args.shard.world_size if args.shard else 1,
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command="python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv))
 
 
 def header_markdown(report: dict, title: str) -> list:
@@ -315,15 +311,14 @@ def conversation(tokenizer, q: dict, turn: int, answers: list) -> list:
 def tree_shapes(args, model: Transformer, drafts: dict, probes: list, stop_ids) -> dict:
     """{(method, T): the Speculator's tree arguments, or None where --tree_tokens auto chose plain
     decoding}. A +lookup method grows its base method's tree (measured once) plus lookup nodes."""
-    statics = {"chain": static_tree([[0] * d for d in range(1, args.chain_depth + 1)]), "eagle": static_tree(mc_sim_7b_63)}
+    fixed = {"chain": dict(static=static_tree([[0] * d for d in range(1, args.chain_depth + 1)])),
+             "eagle": dict(static=static_tree(mc_sim_7b_63)), "lookup": dict(lookup=args.lookup_alone)}
     shapes = {}
     for method in args.methods[1:]:
         base = method.removesuffix("+lookup")
         for T in args.temperatures:
-            if method == "lookup":
-                shapes[method, T] = dict(lookup=args.lookup_alone)
-            elif method in statics:
-                shapes[method, T] = dict(static=statics[method])
+            if method in fixed:
+                shapes[method, T] = fixed[method]
             else:
                 shape = shapes[base, T] if (base, T) in shapes else \
                     dynamic_shape(args, base, T, model, drafts, probes, stop_ids)
@@ -631,7 +626,6 @@ def run_random_weights(args, argv=None) -> dict:
     model.setup_caches(1, context + largest)
     for draft in drafts.values():
         draft.setup_caches(1, context + max(largest, dynamic_tree_slots(args.tree_top_k, args.tree_depth)))
-    weight_bytes = gen.model_bytes_per_token(model)
     timing = "compiled" if args.compile else "cuda graph" if cuda else "eager"  # the step's and every round's
     if args.compile:
         allow_many_graphs()
@@ -640,10 +634,10 @@ def run_random_weights(args, argv=None) -> dict:
     quantize = args.quantize if args.quantize != "int4" else f"int4 g{args.groupsize}"
     report = dict(header(args, argv), mode="random_weights", model=args.model_name, config=config.to_dict(),
                   weights="random", quantize=quantize, quantized=quantized, parameters=parameters,
-                  weight_bytes_per_token=weight_bytes, prompt_length=P, steps=args.steps, tree_top_k=args.tree_top_k,
-                  tree_depth=args.tree_depth, timing=timing, copy_gb_s=copy_bandwidth_gb_s(device),
-                  time_budget_s=args.time_budget, rounds=[], skipped=[], tp_timing=None,
-                  weight_bytes_per_rank=tp.weight_bytes(model))
+                  weight_bytes_per_token=gen.model_bytes_per_token(model), prompt_length=P, steps=args.steps,
+                  tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, timing=timing,
+                  copy_gb_s=copy_bandwidth_gb_s(device), time_budget_s=args.time_budget, rounds=[], skipped=[],
+                  tp_timing=None, weight_bytes_per_rank=tp.weight_bytes(model))
 
     def save():  # after every measurement: a run stopped from outside keeps what it measured
         report.update(peak_memory_gb=gen.peak_memory_gb(device), seconds=time.perf_counter() - start)
@@ -660,7 +654,7 @@ def run_random_weights(args, argv=None) -> dict:
     prompt = torch.randint(0, config.vocab_size, (1, P), device=device)
     t = time.perf_counter()
     step_s = seconds_per_call(plain_step(), args.steps, device, warmup)
-    report["vanilla"] = dict(decode_speed(step_s, weight_bytes, report["copy_gb_s"]),
+    report["vanilla"] = dict(decode_speed(step_s, report["weight_bytes_per_token"], report["copy_gb_s"]),
                              warmup_s=time.perf_counter() - t - step_s * args.steps)
     save()
     if args.tp_timing:
