@@ -64,19 +64,15 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     rope_scaling = {k: rope[k] for k in keys} if rope_type == "llama3" else None
     return ModelArgs(
-        block_size=config["max_position_embeddings"],
-        vocab_size=config["vocab_size"],
+        block_size=config["max_position_embeddings"], vocab_size=config["vocab_size"],
         n_layer=config["num_hidden_layers"], n_head=n_head, dim=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        n_local_heads=config.get("num_key_value_heads") or n_head,
+        intermediate_size=config["intermediate_size"], n_local_heads=config.get("num_key_value_heads") or n_head,
         head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
-        rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=rope_scaling,
+        rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0), rope_scaling=rope_scaling,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         # Qwen2 always has q/k/v biases. LLaMA's attention_bias also biases o_proj, which is refused.
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        sliding_window=_sliding_window(arch, config),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), sliding_window=_sliding_window(arch, config),
         num_experts=config["num_local_experts"] if arch == "MixtralForCausalLM" else 0,
         num_activated_experts=config.get("num_experts_per_tok", 2),
     )
@@ -124,13 +120,11 @@ def load_hf_weights(folder: Path) -> dict:
 
 # Hugging Face's per-layer names -> model.py's, both ways (q/k/v and Mixtral's experts: in the code).
 HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
+    "input_layernorm.weight": "attention_norm.weight", "self_attn.o_proj.weight": "attention.wo.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
 HF_DENSE_MLP_NAMES = {  # dense models; Mixtral's feed-forward is _experts()
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
 # EAGLE heads' layer: the same but for the input norm (EAGLE-1/2 has none, EAGLE-3 two norms of its own).
@@ -222,7 +216,6 @@ def model_to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     if args.tie_embeddings:
         weights.pop("output.weight", None)
     out["lm_head.weight"] = out["model.embed_tokens.weight"] if args.tie_embeddings else take("output.weight")
-    # int8/int4 scales, for one: transformers gets float weights only
     _refuse_leftovers(weights, "tensors with no place in a transformers model (a quantized checkpoint? "
                                "convert a float model.pth instead)")
     return out
@@ -326,15 +319,12 @@ def model_args_from_gguf(metadata: dict, tensors: dict) -> ModelArgs:
     return ModelArgs(
         block_size=get("context_length"),
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
-        n_layer=get("block_count"), n_head=n_head, dim=dim,
-        intermediate_size=get("feed_forward_length"),
-        n_local_heads=get("attention.head_count_kv", n_head),
-        head_dim=get("attention.key_length", dim // n_head),
+        n_layer=get("block_count"), n_head=n_head, dim=dim, intermediate_size=get("feed_forward_length"),
+        n_local_heads=get("attention.head_count_kv", n_head), head_dim=get("attention.key_length", dim // n_head),
         # Stored as float32: round 9.99999975e-06 back to the 1e-05 the model was trained with.
         rope_base=float(f"{get('rope.freq_base', 10000.0):.7g}"),
         norm_eps=float(f"{get('attention.layer_norm_rms_epsilon', 1e-5):.7g}"),
-        qkv_bias="blk.0.attn_q.bias" in tensors,
-        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors, tie_embeddings="output.weight" not in tensors,
     )
 
 

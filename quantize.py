@@ -19,7 +19,6 @@ at load time (pack_int4): torch's packed layouts differ between CPU and CUDA and
 import functools
 import re
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -49,12 +48,12 @@ CUDA_INT4_KERNEL_ROWS = 128
 DEQUANTIZE_CHUNK = 1 << 24
 
 
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w [..., out, in] -> (q int8, scales float32 [..., out]) with w ~ q * scales[..., None]."""
+def quantize_int8(w: Tensor, scales_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """w [..., out, in] -> (q int8, scales [..., out] in scales_dtype) with w ~ q * scales[..., None]."""
     w = w.float()
     scales = w.abs().amax(dim=-1).clamp(min=1e-10) / 127  # an all-zero row gets a tiny scale, not 0/0
     q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
+    return q, scales.to(scales_dtype)
 
 
 def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
@@ -133,10 +132,8 @@ class WeightOnlyInt8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "WeightOnlyInt8Linear":
         m = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        m.weight, m.scales = quantize_int8(linear.weight.detach())
-        m.scales = m.scales.to(linear.weight.dtype)
-        if linear.bias is not None:
-            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        m.weight, m.scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
+        m.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return m
 
     def forward(self, x: Tensor) -> Tensor:
@@ -173,8 +170,7 @@ class WeightOnlyInt8Experts(nn.Module):
     def from_experts(cls, experts: Experts) -> "WeightOnlyInt8Experts":
         E, out_features, in_features = experts.weight.shape
         m = cls(E, in_features, out_features)
-        m.weight, m.scales = quantize_int8(experts.weight.detach())
-        m.scales = m.scales.to(experts.weight.dtype)
+        m.weight, m.scales = quantize_int8(experts.weight.detach(), experts.weight.dtype)
         return m
 
     def gathered(self, x: Tensor, experts: Tensor) -> Tensor:
@@ -281,8 +277,7 @@ def int4_kernel(device: torch.device):
 class WeightOnlyInt4Linear(nn.Module):
     """y = x @ dequant(W)^T + bias, the 4-bit weight read by torch's int4 kernel. in_features is padded
     to a multiple of groupsize (zero columns meet zero inputs), out_features to one of 16 (outputs
-    dropped). weight holds portable nibbles until pack() repacks it for the device; files are written
-    from unpacked layers, since a packed state dict is tied to its device and torch version."""
+    dropped). weight holds portable nibbles (what files hold) until pack() repacks it for the device."""
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
@@ -294,7 +289,7 @@ class WeightOnlyInt4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.empty(self.in_padded // groupsize, self.out_padded, 2,
                                                              dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed_for: Optional[str] = None  # the device type weight is packed for, None: portable nibbles
+        self.packed_for: str | None = None  # the device type weight is packed for, None: portable nibbles
         self._matmul = None
         self.row_invariant = False  # set_row_invariant: compiled on a CPU, the kernel as an opaque op
 
@@ -308,8 +303,7 @@ class WeightOnlyInt4Linear(nn.Module):
         w = F.pad(linear.weight.detach().float(), (0, m.in_padded - m.in_features, 0, m.out_padded - m.out_features))
         q, m.scales_and_zeros = quantize_int4(w, groupsize)
         m.weight = pack_nibbles(q)
-        if linear.bias is not None:
-            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        m.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return m
 
     def pack(self):
@@ -333,8 +327,7 @@ class WeightOnlyInt4Linear(nn.Module):
         if self.in_padded != self.in_features:
             x2 = F.pad(x2, (0, self.in_padded - self.in_features))
         if x.is_cuda and x2.size(0) > CUDA_INT4_KERNEL_ROWS:
-            # The int4 kernel rereads the weight for every 16-row tile; for a prefill, dequantizing
-            # once and cuBLAS read fewer bytes.
+            # many rows: the int4 kernel rereads the weight per 16-row tile; dequantizing once for cuBLAS reads less
             w = dequantize_int4_as(self.nibbles, self.scales_and_zeros, self.groupsize, x2.dtype)
             y = F.linear(x2, w)[:, :self.out_features]
         else:

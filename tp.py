@@ -199,10 +199,8 @@ COLUMN, ROW = "column", "row"
 # The dimension each tensor of a linear layer (float, int8, int4, expert stack) is split along, from the
 # end so that [E, out, in] splits like [out, in]. Row-parallel: input columns and int4 groups; int8
 # scales stay whole, and a bias is refused (it would be added on every rank).
-SPLIT_DIM = {
-    COLUMN: {"weight": -2, "bias": -1, "scales": -1, "scales_and_zeros": -2},
-    ROW: {"weight": -1, "scales_and_zeros": -3},
-}
+SPLIT_DIM = {COLUMN: {"weight": -2, "bias": -1, "scales": -1, "scales_and_zeros": -2},
+             ROW: {"weight": -1, "scales_and_zeros": -3}}
 
 
 def check_divisible(config: ModelArgs, world_size: int):
@@ -319,13 +317,12 @@ def set_all_reduces(model: Transformer, on: bool) -> int:
     for layer in model.layers:
         for m in (layer.attention, layer.feed_forward):
             handle = getattr(m, "tp_hook", None)
-            if on and handle is None:
-                m.tp_hook = m.register_forward_hook(lambda module, args, output: all_reduce_sum(output))
-                changed += 1
-            elif not on and handle is not None:
+            if on == (handle is not None):
+                continue  # already as asked
+            if handle is not None:
                 handle.remove()
-                m.tp_hook = None
-                changed += 1
+            m.tp_hook = m.register_forward_hook(lambda module, args, output: all_reduce_sum(output)) if on else None
+            changed += 1
     return changed
 
 

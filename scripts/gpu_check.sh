@@ -41,20 +41,18 @@ first_file() {  # first_file PATH...: prints the first PATH that is a file (fail
 
 # ---- The GGUF's trip: --split here, --join there ------------------------------------------
 split_gguf() {  # split_gguf [FILE]
-    local file="${1:-checkpoints/.downloads/$GGUF_NAME}" name
+    local file="${1:-checkpoints/.downloads/$GGUF_NAME}" name pkg q
     [ -f "$file" ] || die "no file to split: $file (run bash scripts/prepare.sh SmolLM2-135M-Instruct first)"
     name="$(basename "$file")"
-    mkdir -p "$PARTS"
+    mkdir -p "$PARTS/python"
     rm -f "$PARTS/$name".part-*
     split -b "$PART_SIZE" -d -a 2 "$file" "$PARTS/$name.part-" || die "split failed"
     (cd "$(dirname "$file")" && sha256sum "$name") > "$PARTS/$name.sha256"
     # the converter's GGUF reader, pure Python, for a machine that has numpy, pyyaml and tqdm but not it
-    local pkg q
     pkg="$("${SPLIT_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo "$PY")}" \
         -c 'import gguf, os; print(os.path.dirname(gguf.__file__))' 2>/dev/null)" \
         || die "the 'gguf' package is not installed here (pip install gguf)"
     rm -rf "$PARTS/python/gguf"
-    mkdir -p "$PARTS/python"
     cp -R "$pkg" "$PARTS/python/gguf"
     rm -rf "$PARTS/python/gguf/__pycache__" "$PARTS/python/gguf/scripts"
     # the MT-bench questions, for a checkout whose shared/ folder stays behind
@@ -66,8 +64,7 @@ split_gguf() {  # split_gguf [FILE]
 }
 
 join_gguf() {  # join_gguf: $PARTS/NAME.part-* -> $DOWNLOADS/NAME, checked against NAME.sha256
-    local out="$DOWNLOADS/$GGUF_NAME" parts
-    parts=("$PARTS/$GGUF_NAME".part-*)
+    local out="$DOWNLOADS/$GGUF_NAME" parts=("$PARTS/$GGUF_NAME".part-*)
     [ -e "${parts[0]}" ] || { echo "[gpu_check] no parts $PARTS/$GGUF_NAME.part-* to join" >&2; return 1; }
     cat "${parts[@]}" > "$out.tmp" || return 1
     if [ ! -f "$PARTS/$GGUF_NAME.sha256" ]; then
@@ -92,10 +89,8 @@ smollm2_checkpoint() {  # prints the path of a converted SmolLM2 model.pth, conv
     echo "$dir/model.pth"
 }
 
-# The gguf package that travelled with the parts, for the conversion (not for --split, which copies it).
-use_carried_python() {
-    [ -d "$PARTS/python" ] && export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-    return 0
+use_carried_python() {  # the gguf package that travelled with the parts, for the conversion (--split copies it)
+    [ ! -d "$PARTS/python" ] || export PYTHONPATH="$(cd "$PARTS/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 }
 
 # ---- Arguments ----------------------------------------------------------------------------
@@ -133,6 +128,7 @@ bundle() {  # OUT_DIR keeps three files: the log, the tables, and a tarball of t
 trap bundle EXIT
 
 left() { echo $(( TOTAL_S - SECONDS )); }
+min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
 
 run() {  # run NAME SECONDS CMD...: CMD with a hard time limit, its output in details/NAME.log
     local name="$1" limit="$2" t0=$SECONDS rc
@@ -149,8 +145,6 @@ run() {  # run NAME SECONDS CMD...: CMD with a hard time limit, its output in de
     esac
     return $rc
 }
-
-min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
 
 # bench NAME SHARE_PERCENT ARGS...: scripts/benchmark.py with SHARE_PERCENT of the stage's budget $STAGE_S (at
 # most what is left before $STAGE_END), its --time_budget $SLACK s shorter so that it writes its files in time
