@@ -50,17 +50,9 @@ if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("to
 fi
 
 # 3. The requirements, skipped when the stamp says these exact files are installed.
-req_hash() {  # hash of the given files' contents (portable: no sha256sum needed)
-    "$PY" - "$@" <<'PYEOF'
-import hashlib, sys
-h = hashlib.sha256()
-for path in sys.argv[1:]:
-    h.update(path.encode() + b"\0")
-    with open(path, "rb") as f:
-        h.update(f.read())
-    h.update(b"\0")
-print(h.hexdigest())
-PYEOF
+req_hash() {  # the hash of the given files' contents (in Python: portable, no sha256sum needed)
+    "$PY" -c 'import hashlib, sys
+print(hashlib.sha256(b"\0".join(open(path, "rb").read() for path in sys.argv[1:])).hexdigest())' "$@"
 }
 
 # Install FILE... unless STAMP records their hash. Never call it as an 'if' condition: bash ignores
