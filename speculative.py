@@ -340,8 +340,8 @@ class Speculator(nn.Module):
 
 
 # Adaptive decoding. A tree pays only while the text is predictable: the driver keeps slow running
-# estimates (one round's tokens vary widely) of what a round costs and emits on this answer, and of
-# what a plain step costs, and decodes with whichever is faster now. In a plain stretch it probes with
+# estimates (one round's tokens vary widely) of what a round costs and emits, and of what a plain
+# step costs, and decodes with whichever is faster now. In a plain stretch it probes with
 # a round now and then, and at once when prompt lookup sees a long match at the text's end. The
 # decisions are the host's, between graphs compiled once each (benchmarks/RESULTS.md, "Adaptive decoding").
 ADAPT_DECAY = 0.1        # weight of the newest observation in a running estimate
@@ -351,9 +351,10 @@ LOOKUP_TRIGGER = 3       # a lookup match of this many tokens ends a plain stret
 
 
 class Pace(NamedTuple):
-    """The driver's running estimates. Costs (seconds) are the machine's and carry over from one
-    answer to the next (kept on the Speculator); tokens per round are this answer's. The first
-    round and the first plain burst of a Speculator are not counted: they include compilation."""
+    """The driver's running estimates, kept on the Speculator from one answer to the next: an
+    answer's first rounds move the estimate of tokens per round, not reset it (one poor round would
+    otherwise send a whole answer to plain steps). The first round and the first plain burst of a
+    Speculator are not counted as costs: they include compilation."""
     round_s: Optional[float] = None
     step_s: Optional[float] = None
     tokens: Optional[float] = None  # tokens a round emits (bonus included), decayed
@@ -404,7 +405,7 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
     B = prompt.size(0)
     n_out, done = [1] * B, spec.done.tolist()
     emitted, plain_steps = [[] for _ in range(B)], [0] * B
-    pace = getattr(spec, "pace", Pace())._replace(tokens=None)
+    pace = getattr(spec, "pace", Pace())
     cu_count, plain_run = 1, 0
     if callback is not None:
         callback(spec.out[:, 0])

@@ -484,6 +484,20 @@ def test_the_adaptive_choice_on_synthetic_estimates():
     assert pace.tokens < 1.1 and choose(pace, 0) == "plain"
 
 
+@torch.no_grad()
+def test_an_answer_starts_from_the_estimates_the_last_one_left():
+    """Tokens per round carry over from one answer to the next, as the costs do: a Speculator whose
+    estimates say plain steps are faster answers with plain steps from the first token on (a reset
+    estimate would spend a round first, and a poor first round would condemn the whole answer)."""
+    target, draft = mirrored_pair()
+    spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=10)
+    spec.pace = speculative.Pace(round_s=1.0, step_s=0.001, tokens=1.0, seen=frozenset({"round", "plain"}))
+    prompt = repetitive_prompts(1, 512)[0]
+    ids, emitted = speculative.speculative_generate(spec, prompt, 12, adaptive=True)
+    assert ids == vanilla(target, prompt, 12)
+    assert emitted[0] == [1] * 11 and spec.plain_steps == [11]  # no round: the estimate was not reset
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: the acceptance rule on hand-built trees, then the whole pipeline's distribution
 # ---------------------------------------------------------------------------------------------
