@@ -346,7 +346,7 @@ class Speculator(nn.Module):
 # decisions are the host's, between graphs compiled once each (benchmarks/RESULTS.md, "Adaptive decoding").
 ADAPT_DECAY = 0.1        # weight of the newest observation in a running estimate
 PLAIN_BURST = 8          # plain steps between two looks at the state (stop, lookup, probe)
-PROBE_EVERY = 32         # plain steps before a probe round
+PROBE_EVERY = 32         # plain steps before a probe round (counted over answers too)
 LOOKUP_TRIGGER = 3       # a lookup match of this many tokens ends a plain stretch
 
 
@@ -406,7 +406,7 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
     n_out, done = [1] * B, spec.done.tolist()
     emitted, plain_steps = [[] for _ in range(B)], [0] * B
     pace = getattr(spec, "pace", Pace())
-    cu_count, plain_run = 1, 0
+    cu_count, plain_run = 1, getattr(spec, "plain_run", 0)  # like the estimates, carried over answers
     if callback is not None:
         callback(spec.out[:, 0])
     while not all(done):
@@ -449,7 +449,7 @@ def speculative_generate(spec: Speculator, prompt: Tensor, max_new_tokens: int,
                 plain_run = PROBE_EVERY  # the text repeats itself: try a round now
         cu_count = max(cu[b] for b in active) if active else 1
         n_out, done = new_n, [bool(d) for d in done_now]
-    spec.pace, spec.plain_steps = pace, plain_steps
+    spec.pace, spec.plain_steps, spec.plain_run = pace, plain_steps, plain_run
     out = spec.out.tolist()
     stop_ids = set(spec.stop_ids.tolist())
     return [cut_at_stop(out[b][:min(n_out[b], max_new_tokens)], stop_ids) for b in range(B)], emitted

@@ -488,7 +488,8 @@ def test_the_adaptive_choice_on_synthetic_estimates():
 def test_an_answer_starts_from_the_estimates_the_last_one_left():
     """Tokens per round carry over from one answer to the next, as the costs do: a Speculator whose
     estimates say plain steps are faster answers with plain steps from the first token on (a reset
-    estimate would spend a round first, and a poor first round would condemn the whole answer)."""
+    estimate would spend a round first, and a poor first round would condemn the whole answer); and
+    the count of plain steps until a probe round carries over too."""
     target, draft = mirrored_pair()
     spec = speculative.Speculator(target, draft, tree_top_k=4, tree_depth=3, tree_tokens=10)
     spec.pace = speculative.Pace(round_s=1.0, step_s=0.001, tokens=1.0, seen=frozenset({"round", "plain"}))
@@ -496,6 +497,13 @@ def test_an_answer_starts_from_the_estimates_the_last_one_left():
     ids, emitted = speculative.speculative_generate(spec, prompt, 12, adaptive=True)
     assert ids == vanilla(target, prompt, 12)
     assert emitted[0] == [1] * 11 and spec.plain_steps == [11]  # no round: the estimate was not reset
+    # the plain steps before a probe round count over answers too: plain ones never stay plain for good
+    rounds = 0
+    for _ in range(speculative.PROBE_EVERY // 11 + 1):
+        ids, emitted = speculative.speculative_generate(spec, prompt, 12, adaptive=True)
+        assert ids == vanilla(target, prompt, 12)
+        rounds += len(emitted[0]) - spec.plain_steps[0]
+    assert rounds >= 1
 
 
 # ---------------------------------------------------------------------------------------------
