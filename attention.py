@@ -22,6 +22,11 @@ except (ImportError, AttributeError) as e:  # AttributeError: a Triton too old f
 # faster one (steps, verifies); past it (a long prefill, a training batch) SDPA's flash kernel is, as
 # the matmul form writes and rereads every score in float32 (benchmarks/RESULTS.md).
 MATMUL_ATTENTION_MAX_SCORES = 2 ** 21
+# Compiled on a CPU, attention reads the cache up to the last slot a query sees (a host int, which
+# dynamo keeps in the graph when told to) rounded up to ATen's CPU flash kernel's key block: a slot
+# keeps its place in the kernel's blocks however many are read, so batch-invariant rows stay invariant.
+LIVE_BLOCK = 512
+torch._dynamo.config.capture_scalar_outputs = True
 
 
 def use_attention(module: nn.Module, backend: str = "auto") -> str:
@@ -55,18 +60,21 @@ def tree_kernel_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
 def cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """model.sdpa's attention, in the forms fastest on a CPU. Eager (the host may read the mask for
     free: no device to wait for) it reads only the slots some query sees, the live prefix and a
-    tree's region, and takes the matmul form in half precision for few scores; compiled it keeps
-    the static shapes and ATen's flash kernel, with the query heads that share a KV head stacked."""
+    tree's region, and takes the matmul form in half precision for few scores; compiled it reads
+    those slots rounded up to whole LIVE_BLOCKs (live_slots) through ATen's flash kernel, with the
+    query heads that share a KV head stacked."""
     eager = q.device.type == "cpu" and not torch.compiler.is_compiling()  # (a module moved off the CPU: as compiled)
-    if isinstance(mask, TreeMask):
-        R, S = mask.visible.size(-1), k.size(2)
-        if eager:  # the live prefix and the tree region only
-            P = min(int(mask.prefix_len.max()), S - R)
+    S = k.size(2)
+    if isinstance(mask, TreeMask):  # the live prefix and the tree region only
+        R = mask.visible.size(-1)
+        if eager or S - R > LIVE_BLOCK:
+            P = min(int(mask.prefix_len.max()), S - R) if eager else live_slots(mask.prefix_len, S - R)
             k, v = torch.cat([k[:, :, :P], k[:, :, S - R:]], dim=2), torch.cat([v[:, :, :P], v[:, :, S - R:]], dim=2)
             S = P + R
         mask = mask.dense(S)
-    elif eager:  # up to the last slot any query sees
-        live = int(mask.flatten(0, -2).any(0).nonzero().max()) + 1
+    elif eager or S > LIVE_BLOCK:  # up to the last slot any query sees
+        end = (mask * torch.arange(1, S + 1, device=mask.device)).amax()
+        live = int(end) if eager else live_slots(end, S)
         k, v, mask = k[:, :, :live], v[:, :, :live], mask[..., :live]
     if eager and q.dtype != torch.float32 and q.numel() // q.size(-1) * k.size(2) < MATMUL_ATTENTION_MAX_SCORES:
         return _matmul_attention(q, k, v, mask)
@@ -76,6 +84,16 @@ def cpu_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     if q.shape[1] != k.shape[1]:
         return _grouped_sdpa(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
+def live_slots(end: Tensor, cache_len: int) -> int:
+    """How many of a cache's first slots compiled CPU attention reads when no query sees one at or past
+    end.max(): that rounded up to a multiple of LIVE_BLOCK, at most cache_len. Known only at run time, so one
+    graph serves every length, and attention costs what the text's length does, not the cache's."""
+    n = ((end.max() + LIVE_BLOCK - 1) // LIVE_BLOCK * LIVE_BLOCK).clamp(min=LIVE_BLOCK).clamp(max=cache_len).item()
+    torch._check(n >= 1)
+    torch._check(n <= cache_len)
+    return n
 
 
 def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

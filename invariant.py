@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from attention import LIVE_BLOCK, live_slots
 from cpu import PackedLinear
 from model import FeedForward, RMSNorm, Transformer, TransformerBlock, TreeMask
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear, set_row_invariant
@@ -259,11 +260,12 @@ def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, b
                        f"{rows + 2 * FLASH_BLOCK - 1} in this torch build: run without --batch_invariant")
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+def _flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, slots: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """ATen's CPU flash kernel over q [B, KV, M, D] padded to flash_rows' count, with an additive bias;
-    returns the output and the log-sum-exp [B, KV, M] (which F.scaled_dot_product_attention hides)."""
+    returns the output and the log-sum-exp [B, KV, M] (which F.scaled_dot_product_attention hides).
+    slots: the cache's length where k, v are its first live_slots, which flash_rows probes."""
     M, D = q.size(2), q.size(3)
-    pad = flash_rows(q.dtype, D, k.size(2), M, bias.dtype) - M
+    pad = flash_rows(q.dtype, D, slots or k.size(2), M, bias.dtype) - M
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         F.pad(q, (0, 0, 0, pad)), k, v, attn_mask=F.pad(bias, (0, 0, 0, pad)), scale=D ** -0.5)
     return out[:, :, :M], lse[:, :, :M]
@@ -274,7 +276,8 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     together and wherever a tree keeps their keys (usual attention is not: its matmuls round by row
     count, and a tree's keys sit in another order), in two calls of ATen's CPU flash kernel:
         old     slots below p - W in place: one call whose rows are each KV head's (query head,
-                query) pairs, each masked to its own old_end, padded as flash_rows says
+                query) pairs, each masked to its own old_end, padded as flash_rows says, over the
+                slots below the latest old_end in whole blocks (attention.live_slots)
         recent  per query, a batch entry over the W + 1 positions p - W .. p gathered in order, in
                 float32, plus one key per query head standing for its old part: score 0, the old
                 call's log-sum-exp as bias and its output as value, so the softmax merges the two.
@@ -285,10 +288,11 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     KV, S, W1 = k.size(1), k.size(2), mask.recent_slots.size(-1)
     G = H // KV
     neg_inf = float("-inf")
-    hidden = torch.arange(S, device=q.device) >= mask.old_end[:, None, :, None]  # [B, 1, T, S]
+    n = live_slots(mask.old_end, S) if S > LIVE_BLOCK else S  # the old slots any query sees, in whole blocks
+    hidden = torch.arange(n, device=q.device) >= mask.old_end[:, None, :, None]  # [B, 1, T, n]
     bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(hidden, neg_inf)
-    bias = bias.expand(B, G, T, S).reshape(B, 1, G * T, S)  # rows (head g, query t) as q's below
-    out_old, lse_old = _flash(q.reshape(B, KV, G * T, D), k, v, bias)
+    bias = bias.expand(B, G, T, n).reshape(B, 1, G * T, n)  # rows (head g, query t) as q's below
+    out_old, lse_old = _flash(q.reshape(B, KV, G * T, D), k[:, :, :n], v[:, :, :n], bias, S)
     # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
     lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
 

@@ -2,8 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.compile_fx import compile_fx
 
-from attention import MATMUL_ATTENTION_MAX_SCORES, _grouped_sdpa, _matmul_attention, cpu_attention, use_attention
+from attention import LIVE_BLOCK, MATMUL_ATTENTION_MAX_SCORES, _grouped_sdpa, _matmul_attention, cpu_attention, use_attention
 from conftest import random_draft, tiny_target
 from model import TreeMask, sdpa
 
@@ -44,17 +45,34 @@ def test_cpu_gqa_attention_stacks_query_heads_and_equals_sdpa(T):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @torch.no_grad()
-def test_cpu_attention_reads_only_the_live_slots_and_a_trees_region_eagerly():
-    """Eager on a CPU the kernel cuts the cache to the slots some query sees (a dense mask's last
-    visible slot, a TreeMask's live prefix and region): the same attention as over the whole cache."""
+def test_cpu_attention_reads_only_the_live_slots_and_a_trees_region(compiled):
+    """On a CPU the kernel cuts the cache to the slots some query sees (a dense mask's last visible
+    slot, a TreeMask's live prefix and region), compiled in whole LIVE_BLOCKs with one graph for
+    every length: the same attention as over the whole cache, and NaN in the slots cut changes nothing."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
-    causal = torch.arange(64) <= torch.tensor([20, 21, 22])[:, None]
-    torch.testing.assert_close(cpu_attention(q, k, v, causal[None]), sdpa(q, k, v, causal[None]))
+    S = 3 * LIVE_BLOCK
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, S, 16), torch.randn(1, 2, S, 16)
+    poisoned = [t.clone() for t in (k, v)]
+    for t in poisoned:
+        t[:, :, 2 * LIVE_BLOCK:S - 3] = float("nan")  # past the live blocks, before a tree's region
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+    attend = torch.compile(cpu_attention, backend=inductor, fullgraph=True) if compiled else cpu_attention
     visible = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
-    tree = TreeMask(torch.tensor([30]), visible)
-    torch.testing.assert_close(cpu_attention(q, k, v, tree), sdpa(q, k, v, tree))
+    try:
+        for end in (20, LIVE_BLOCK + 20):
+            causal = torch.arange(S) <= end + torch.arange(3)[:, None]
+            torch.testing.assert_close(attend(q, *poisoned, causal[None]), sdpa(q, k, v, causal[None]))
+            tree = TreeMask(torch.tensor([end]), visible)
+            torch.testing.assert_close(attend(q, *poisoned, tree), sdpa(q, k, v, tree))
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == (2 if compiled else 0)  # a dense mask's and a TreeMask's
 
 
 def test_use_attention_sets_the_kernel_of_every_attention_and_checks_the_backend():

@@ -65,17 +65,19 @@ def test_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype)
 @torch.no_grad()
 def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_together(dtype):
     """The window form compiled for the CPU, at SmolLM2's geometry (9 query and 3 KV heads of 64)
-    over a 512-slot cache at positions past 300: each row of a 3- and a 32-query call (each count a
-    graph) equals the one-query call's bit for bit. When the two parts were merged outside the
+    over a 1,100-slot cache: each row of a 3- and a 32-query call (each count a graph) equals the
+    one-query call's bit for bit, though the calls read the cache's first 512, 1,024 or all 1,100
+    slots, as their latest query needs (attention.live_slots). When the two parts were merged outside the
     kernel, Inductor computed the merge's exp in a vector loop for one query and in a scalar tail
     loop for more, and float32 rows differed; the whole-model compiled test below (tiny-llama,
     head_dim 16, 4 query heads over 2 KV heads) did not show it."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    B, KV, G, S, D, T, W = 1, 3, 3, 512, 64, 32, 32
+    B, KV, G, S, D, T, W = 1, 3, 3, 1100, 64, 32, 32
     q = torch.randn(B, T, KV * G, D, dtype=dtype).transpose(1, 2)
     k, v = torch.randn(B, KV, S, D, dtype=dtype), torch.randn(B, KV, S, D, dtype=dtype)
-    position = 300 + torch.randint(0, 20, (B, T))
+    position = torch.randint(W, S - 20, (B, T))
+    position[:, :3] = torch.tensor([300, 310, 500])  # the 3-query call reads 512 slots, the 32-query one all
     recent = torch.stack([torch.randperm(S)[:W + 1] for _ in range(B * T)]).view(B, T, W + 1)
     mask = WindowMask(position - W, recent, position[..., None] - W + torch.arange(W + 1) >= 0)
     model = invariant.enable(make_model("tiny-llama"), window=W)  # (also what lets dynamo trace flash_rows)
