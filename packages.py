@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent
 # by name; and every buffer of the modules in CONSTANT_MODULES (a StaticTree's shape).
 CONSTANT_BUFFERS = ("stop_ids", "kv_storage", "rope_cos", "rope_sin", "vocab")
 CONSTANT_MODULES = (StaticTree,)
-# Host-side attributes of a Speculator that no graph reads (adaptive decoding's estimates).
-HOST_ATTRIBUTES = ("pace", "plain_steps")
+# Host-side attributes of a Speculator that no graph reads (adaptive decoding's estimates and counts).
+HOST_ATTRIBUTES = ("pace", "plain_steps", "plain_run")
 QUANTIZED = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)
 
 

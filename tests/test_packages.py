@@ -98,6 +98,18 @@ def test_constants_are_a_static_trees_buffers_and_the_named_ones_not_any_buffer_
     assert packages.configuration_digest(holder) != key
 
 
+@torch.no_grad()
+def test_what_adaptive_decoding_carries_over_answers_never_keys_a_package(tiny_checkpoint):
+    """The driver leaves its estimates and counts on the Speculator for the next answer (HOST_ATTRIBUTES);
+    no graph reads them, so a package built before an answer is the one looked up after it."""
+    _, spec = speculator(tiny_checkpoint[0])
+    spec.setup(1, 64)
+    key = packages.configuration_digest(spec)
+    speculative_generate(spec, torch.tensor([PROMPTS[1]]), 20, adaptive=True)
+    assert {"pace", "plain_steps", "plain_run"} <= set(vars(spec))
+    assert packages.configuration_digest(spec) == key
+
+
 def test_the_key_changes_with_the_weights_tree_dtype_torch_and_settings(tiny_checkpoint, tmp_path, monkeypatch):
     """A package must never be loaded for a graph it does not hold: every input of the graph is
     in its key, and the same setup loaded twice gets the same key (or every run would rebuild)."""
