@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import tp
-from quantize import lower_int4_rows_to_the_kernel, lower_int8_rows_to_the_kernel
+from cpu import onednn_gemms
+from quantize import QUANTIZED_LINEARS, lower_int4_rows_to_the_kernel, lower_int8_rows_to_the_kernel
 
 # The decode step: gpt-fast's settings. A round: no coordinate descent, which would tune every kernel
 # of a graph of thousands of nodes. The FX graph cache lets another process load a compiled graph.
@@ -39,6 +40,8 @@ CPU_INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 #   emulate_precision_casts  a fused kernel otherwise keeps a 16-bit intermediate in float32, and
 #                          what fuses depends on shapes (a verify's residual add into a GEMM epilogue)
 CPU_INVARIANT = {"max_autotune_gemm_backends": "CPP", "emulate_precision_casts": True}
+# ... and where gemms_on_onednn, mode or not, ATen's (oneDNN's at run time; autotuning times with it off)
+CPU_ONEDNN = {"max_autotune_gemm_backends": "ATEN"}
 # The version of quantize's lowerings a batch-invariant CPU graph uses: bump it when they change.
 INVARIANT_LOWERINGS = 2
 # Keep autotuning from printing each GEMM's candidates and timings (where this torch has the flags).
@@ -146,10 +149,20 @@ def render_templates_from_cache():
         KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(method.__func__))
 
 
+def gemms_on_onednn(modules) -> bool:
+    """Whether compiled CPU graphs of the modules run GEMMs on oneDNN: no quantized layer, float linears in
+    a dtype cpu.onednn_gemms gives it."""
+    inside = [m for module in modules for m in module.modules()]
+    return (not any(isinstance(m, QUANTIZED_LINEARS) for m in inside)
+            and any(isinstance(m, nn.Linear) and onednn_gemms(m.weight.dtype) for m in inside))
+
+
 def cpu_settings(modules) -> dict:
-    """CPU_INDUCTOR, CPU_QUIET where this torch has them, and CPU_INVARIANT in batch-invariant mode."""
+    """CPU_INDUCTOR, CPU_QUIET where this torch has them, CPU_INVARIANT in batch-invariant mode and
+    CPU_ONEDNN where the GEMMs go to oneDNN."""
     settings = dict(CPU_INDUCTOR, **{k: v for k, v in CPU_QUIET.items() if hasattr(torch._inductor.config, k)})
-    return dict(settings, **CPU_INVARIANT) if batch_invariant(modules) else settings
+    settings = dict(settings, **CPU_INVARIANT) if batch_invariant(modules) else settings
+    return dict(settings, **CPU_ONEDNN) if gemms_on_onednn(modules) else settings
 
 
 def cpu_backend(*modules: nn.Module):

@@ -1,9 +1,12 @@
-"""oneDNN-packed linears for eager half-precision runs on a CPU, swapped in from outside the model.
+"""oneDNN on a CPU: which GEMMs run on it, and packed linears for eager half-precision runs, swapped
+in from outside the model.
 
 torch's eager bf16/fp16 matmul on a CPU reorders the weight into oneDNN's blocked layout on every
 call; PackedLinear reorders it once. Compiled runs keep nn.Linear: Inductor's freezing packs weights
 itself, and cannot trace these opaque ones. float32 keeps torch's own kernels: packing gains little
 there, and float32 runs are the reference that speculative output is checked against."""
+import types
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -31,14 +34,25 @@ def can_pack_linears(dtype: torch.dtype, device) -> bool:
     return bool(getattr(torch.ops.mkldnn, supported, lambda: False)())
 
 
+def onednn_gemms(dtype: torch.dtype) -> bool:
+    """Whether compiled graphs run this dtype's GEMMs on oneDNN (ATen's) rather than Inductor's C++ templates:
+    bf16 on a CPU with AVX-512 bf16 dot products and no AMX tiles, where the templates' micro-kernel converts
+    to float32 and a verify of 8-16 rows cost 3-4 steps in them (RESULTS.md, "CPU tree size")."""
+    return (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
+            and not torch.cpu._is_amx_tile_supported() and can_pack_linears(dtype, "cpu"))
+
+
 def pack_linears(module: nn.Module) -> int:
     """Replace every plain nn.Linear of module (a Transformer or a draft) by a PackedLinear, in place,
     where can_pack_linears says it serves; returns how many. A tied LM head is packed as its own
-    copy (the embedding keeps the plain table). Quantized layers are left alone."""
+    copy (the embedding keeps the plain table). Quantized layers are left alone. A forward set on a
+    linear's instance (batch-invariant mode's invariant.one_row_as_two) carries over."""
     linears = [(name, m) for name, m in module.named_modules()
                if type(m) is nn.Linear and can_pack_linears(m.weight.dtype, m.weight.device)]
     for name, m in linears:
-        module.set_submodule(name, PackedLinear(m))
+        module.set_submodule(name, packed := PackedLinear(m))
+        if "forward" in m.__dict__:
+            packed.forward = types.MethodType(m.forward.__func__, packed)
     return len(linears)
 
 

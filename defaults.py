@@ -1,7 +1,7 @@
 """The defaults of a run, in one table, keyed on what a library reports about the machine: the device, whether the
 run is compiled, and whether the CPU has AMX tiles. Where no reported capability separates machines that measured
 apart, a row takes the default that is the same on every CPU of its kind (bfloat16 is the compiled CPU dtype
-everywhere, though float32 measured faster on one CPU generation: benchmarks/RESULTS.md, "CPU dtype")."""
+everywhere: benchmarks/RESULTS.md, "CPU dtype")."""
 from typing import NamedTuple, Optional
 
 import torch

@@ -274,8 +274,8 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if not args.compile:
         pack_linears(model)  # eager half precision on a CPU: weights in oneDNN's layout (a no-op elsewhere)
-        if args.speculate != "none":  # before --tree auto measures shapes: does any tree fit?
-            invariant.check_eager_tree(model, 2)
+    if args.speculate != "none":  # before --tree auto measures shapes: does any tree fit?
+        invariant.check_tree(model, 2, args.compile)
     if args.speculate == "none":
         model.setup_caches(1, max_seq_length)
         step, first = decode_one_token, prefill
@@ -318,8 +318,7 @@ def make_decoder(args, model: Transformer, stop_ids, max_seq_length: int, probes
 def speculative_decoder(args, spec: Speculator, max_seq_length: int, adaptive: bool):
     """make_decoder's decode function for a Speculator: caches for max_seq_length tokens plus the
     last round's overshoot, compiled if asked."""
-    if not args.compile:
-        invariant.check_eager_tree(spec.target, spec.n_nodes)
+    invariant.check_tree(spec.target, spec.n_nodes, args.compile)
     spec.setup(1, max_seq_length + 2 * (spec.depth + 1))
     if args.compile and packages.usable(args.device, spec.sampling[0], spec) and not args.compile_prefill:
         packages.package_round(spec, packages.folder(args.checkpoint_path))

@@ -5,11 +5,11 @@ bfloat16 and float16 too (docs/batch_invariance.md). enable(model) applies it fr
     attention    each query attends over a layout fixed by its position alone (WindowMask): old
                  cache slots in place, the W + 1 recent positions gathered in order. On a CPU via
                  ATen's flash kernel (invariant_attention); on CUDA via gpu_kernels/invariant.py.
-    linears      compiled on a CPU, Inductor's C++ GEMM templates only (compiling.py); quantized
-                 layers via quantize.set_row_invariant; on CUDA, linears and norms on
-                 gpu_kernels/invariant.py's kernels (use_invariant_kernels).
-    eager        torch's CPU GEMMs keep rows invariant only up to a row count that depends on the
-                 CPU and shape: eager_invariant_rows asks them, and larger trees are refused.
+    linears      compiled on a CPU, Inductor's C++ GEMM templates only or, where cpu.onednn_gemms,
+                 oneDNN's with one-row calls run as two (one_row_as_two); quantized layers via
+                 quantize.set_row_invariant; on CUDA, gpu_kernels/invariant.py's (use_invariant_kernels).
+    torch's      GEMMs (eager, or oneDNN's compiled) keep rows invariant only up to a row count that
+                 depends on the CPU and shape: gemm_invariant_rows asks them, larger trees are refused.
 
 A prefill keeps the usual kernels: plain and speculative decoding prefill with the same code and
 shapes, so its rows need equal no other's.
@@ -23,8 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import compiling
 from attention import LIVE_BLOCK, live_slots
-from cpu import PackedLinear
+from cpu import PackedLinear, onednn_gemms
 from model import FeedForward, RMSNorm, Transformer, TransformerBlock, TreeMask
 from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Linear, set_row_invariant
 
@@ -43,8 +44,8 @@ FLASH_BLOCK = 32
 # Over fewer keys than one key block it can round bf16 rows of large calls apart for every row
 # count, so the mode's cache on a CPU is never shorter than this.
 MIN_SLOTS = 512
-# The most rows eager_invariant_rows tries (compiled, tests/test_model.py checks as many).
-EAGER_ROWS_PROBED = 64
+# The most rows gemm_invariant_rows tries (compiled, tests/test_invariant.py checks as many).
+ROWS_PROBED = 64
 
 
 def enable(model: Transformer, window: int = WINDOW) -> Transformer:
@@ -72,7 +73,21 @@ def enable(model: Transformer, window: int = WINDOW) -> Transformer:
     set_row_invariant(model)
     if cuda:
         use_invariant_kernels(model)
+    elif onednn_gemms(model.tok_embeddings.weight.dtype):
+        for m in model.modules():
+            if type(m) in (nn.Linear, PackedLinear):
+                m.forward = types.MethodType(one_row_as_two, m)  # (cpu.pack_linears carries it over)
     return model
+
+
+def one_row_as_two(linear: nn.Module, x: Tensor) -> Tensor:
+    """A float linear's forward in the mode where its GEMMs run on oneDNN: a call of one row runs as two
+    (the row and zeros) and keeps the first. oneDNN can round a one-row call apart from calls of 2 or
+    more rows, which agree (a down projection: gemm_invariant_rows finds it; a verify has 2 or more)."""
+    if x.numel() != x.size(-1):
+        return type(linear).forward(linear, x)
+    two = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.size(-1))])
+    return type(linear).forward(linear, two)[:1].reshape(*x.shape[:-1], -1)
 
 
 def _setup_caches_of_min_slots(model: Transformer, max_batch_size: int, max_seq_length: int):
@@ -127,44 +142,42 @@ def problem(device: str, dtype: str, compile: bool, quantized: Optional[str], te
     return None
 
 
-# Eager on a CPU: how many rows torch's GEMMs keep invariant.
-def eager_invariant_rows(model: nn.Module, most: int = EAGER_ROWS_PROBED) -> int:
-    """The most rows (up to most) every float linear of model computes eagerly with each row's bits
-    those of a one-row call. Probes each shape as the model holds it (PackedLinear rounds its own
-    way), smallest first and only up to the answer so far, so the costly LM head probe stops early."""
-    shapes = sorted({(m.weight.dtype, m.out_features, m.in_features, type(m) is PackedLinear) for m in model.modules()
-                     if type(m) in (nn.Linear, PackedLinear) and m.weight.is_floating_point()
+def gemm_invariant_rows(model: nn.Module, most: int = ROWS_PROBED) -> int:
+    """The most rows (up to most) every float linear of model computes with each row's bits those of a
+    one-row call, eagerly, as the model holds it (PackedLinear, one_row_as_two). Smallest shape first,
+    and only up to the answer so far, so that the costly LM head probe stops early."""
+    shapes = sorted({(m.weight.dtype, m.out_features, m.in_features, type(m) is PackedLinear, "forward" in m.__dict__)
+                     for m in model.modules() if type(m) in (nn.Linear, PackedLinear) and m.weight.is_floating_point()
                      and m.weight.device.type == "cpu"},
-                    key=lambda shape: (shape[1] * shape[2], str(shape[0]), shape[3]))
-    rows = min(most, EAGER_ROWS_PROBED)
-    for dtype, out_features, in_features, packed in shapes:
-        rows = _eager_linear_rows(dtype, out_features, in_features, most=rows, packed=packed,
-                                  threads=torch.get_num_threads())
+                    key=lambda shape: (shape[1] * shape[2], str(shape[0]), shape[3], shape[4]))
+    rows = min(most, ROWS_PROBED)
+    for dtype, out_features, in_features, packed, as_two in shapes:
+        rows = _linear_rows(dtype, out_features, in_features, most=rows, packed=packed, as_two=as_two,
+                            threads=torch.get_num_threads())
     return rows
 
 
-def check_eager_tree(model: nn.Module, nodes: int):
-    """A one-line ValueError where model is in the mode, eager on this CPU, and its GEMMs give a
-    verify of `nodes` rows (tree tokens + lookup) other bits than one-token steps; nodes=2 (a root
-    and one guess) asks whether any tree fits."""
-    if getattr(model, "invariant_window", None) is None:
+def check_tree(model: nn.Module, nodes: int, compiled: bool):
+    """A one-line ValueError where model is in the mode, torch's GEMMs run its verifies (eager, or
+    compiled where compiling.gemms_on_onednn), and they give a verify of `nodes` rows (tree tokens +
+    lookup) other bits than one-token steps; nodes=2 (a root and one guess) asks whether any tree fits."""
+    if getattr(model, "invariant_window", None) is None or compiled and not compiling.gemms_on_onednn((model,)):
         return
-    rows = eager_invariant_rows(model, most=nodes)
-    if rows < 2:
-        raise ValueError("--batch_invariant without --compile: this CPU's eager GEMMs round a verify's rows apart "
-                         "from one-token steps for every tree: compile, or speculate without --batch_invariant")
+    rows, fix = gemm_invariant_rows(model, most=nodes), "" if compiled else "compile, or "
     if nodes > rows:
-        raise ValueError(f"--batch_invariant without --compile holds for trees of up to {rows} nodes on this CPU "
-                         f"(tree tokens + lookup), this one has {nodes}: compile, or pass a smaller --tree / --lookup")
+        raise ValueError(f"--batch_invariant: this CPU's GEMMs round a verify's rows apart from one-token steps "
+                         + (f"for every tree: {fix}speculate without --batch_invariant" if rows < 2 else
+                            f"in trees of over {rows} nodes (tree tokens + lookup), this one has {nodes}: "
+                            f"{fix}pass a smaller --tree / --lookup"))
 
 
 @functools.lru_cache(maxsize=None)
 @torch.no_grad()
-def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = EAGER_ROWS_PROBED, *,
-                       packed: bool = False, threads: int) -> int:
+def _linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: int = ROWS_PROBED, *,
+                 packed: bool = False, as_two: bool = False, threads: int) -> int:
     """The largest m <= most such that calls of 1 .. m rows give every row the bits it gets alone, each
-    count tried on many rows of seeded data (a path that rounds apart may touch only a few rows).
-    threads is a cache key only: the thread split can decide rounding, and a process may change it."""
+    count tried on many rows of seeded data (a path that rounds apart may touch only a few rows); as_two:
+    through one_row_as_two. threads is a cache key only: the thread split can decide rounding."""
     if most <= 1:
         return most
     g = torch.Generator().manual_seed(0)
@@ -172,7 +185,9 @@ def _eager_linear_rows(dtype: torch.dtype, out_features: int, in_features: int, 
     linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
     if packed:
         linear = PackedLinear(linear)
-    x = torch.randn(max(EAGER_ROWS_PROBED, -(-65536 // out_features)), in_features, generator=g).to(dtype)
+    if as_two:
+        linear.forward = types.MethodType(one_row_as_two, linear)
+    x = torch.randn(max(ROWS_PROBED, -(-65536 // out_features)), in_features, generator=g).to(dtype)
     alone = torch.cat([linear(row) for row in x.split(1)])
     for m in range(2, most + 1):
         if not torch.equal(torch.cat([linear(rows) for rows in x.split(m)]), alone):
@@ -230,7 +245,7 @@ def _flash_rows_probe(dtype: torch.dtype, head_dim: int, keys: int, rows: int, b
     """The fewest rows >= rows for which ATen's CPU flash kernel over `keys` keys computes every row
     as a lone FLASH_BLOCK call does with the row elsewhere in its block (output and log-sum-exp, on
     many rows of seeded data). Padding every call to this count makes a row's result independent of
-    how many rows come with it. threads: a cache key only, as for _eager_linear_rows."""
+    how many rows come with it. threads: a cache key only, as for _linear_rows."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     g = torch.Generator().manual_seed(0)  # not the global generator: sampling must not see the probe
     heads = 64  # each head is a block of its own: 64 samples a call

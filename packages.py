@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 import compiling
 from compiling import render_templates_from_cache, weights_digest
-from quantize import WeightOnlyInt4Linear, WeightOnlyInt8Experts, WeightOnlyInt8Linear
+from quantize import QUANTIZED_LINEARS
 from sampling import sample
 from trees import StaticTree
 
@@ -43,7 +43,6 @@ CONSTANT_BUFFERS = ("stop_ids", "kv_storage", "rope_cos", "rope_sin", "vocab")
 CONSTANT_MODULES = (StaticTree,)
 # Host-side attributes of a Speculator that no graph reads (adaptive decoding's estimates and counts).
 HOST_ATTRIBUTES = ("pace", "plain_steps", "plain_run")
-QUANTIZED = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)
 
 
 def usable(device: str, temperature: float, *modules: nn.Module) -> bool:
@@ -51,7 +50,7 @@ def usable(device: str, temperature: float, *modules: nn.Module) -> bool:
     random numbers, which a package seeds its own way; the int8/int4 kernels are Python ops,
     which a package cannot call.)"""
     inside = [m for module in modules for m in module.modules()]  # a Speculator's target and draft too
-    return str(device) == "cpu" and temperature == 0 and not any(isinstance(m, QUANTIZED) for m in inside)
+    return str(device) == "cpu" and temperature == 0 and not any(isinstance(m, QUANTIZED_LINEARS) for m in inside)
 
 
 def settings(*modules: nn.Module) -> dict:

@@ -349,6 +349,9 @@ class WeightOnlyInt4Linear(nn.Module):
                 f"groupsize={self.groupsize}, bias={self.bias is not None}{pad}")
 
 
+QUANTIZED_LINEARS = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)
+
+
 def pack_int4(model: nn.Module) -> nn.Module:
     """Pack every int4 layer for the device it is on; call after model.to(device, dtype)."""
     for m in model.modules():

@@ -252,7 +252,7 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
                                                                                         monkeypatch):
     """--batch_invariant --compare in bf16 (eager): identical answers, and the verdict says so
     without the bf16 near-tie caveat; eager float32/float16 (row-count variant GEMMs) and eager
-    trees larger than this CPU's invariant.eager_invariant_rows are refused with one line, and
+    trees larger than this CPU's invariant.gemm_invariant_rows are refused with one line, and
     where it is 1 (no tree fits) before --tree auto measures shapes."""
     checkpoint, _ = tiny_checkpoint
     report = gen.main(["--checkpoint_path", str(checkpoint), "--chat", "--prompt", "Rivers flow to the sea.",
@@ -268,10 +268,10 @@ def test_batch_invariant_compare_in_bf16_is_identical_and_bad_settings_are_clear
         assert message in capsys.readouterr().err
     for dtype in ("float32", "float16", "bfloat16"):  # compiled, every dtype holds (tests/test_invariant.py)
         assert gen.parse_args(["--device", "cpu", "--batch_invariant", "--compile", "--dtype", dtype]).batch_invariant
-    with pytest.raises(SystemExit, match=r"holds for trees of up to \d+ nodes on this CPU"):
+    with pytest.raises(SystemExit, match=r"in trees of over \d+ nodes"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",
                   "--tree", "10,6,70", "--device", "cpu", "--no-compile", "--batch_invariant"])
-    monkeypatch.setattr(invariant, "eager_invariant_rows", lambda model, most: 1)
+    monkeypatch.setattr(invariant, "gemm_invariant_rows", lambda model, most: 1)
     monkeypatch.setattr(gen, "auto_tree", lambda *a, **k: pytest.fail("auto_tree ran before the refusal"))
     with pytest.raises(SystemExit, match="round a verify's rows apart from one-token steps for every tree"):
         gen.main(["--checkpoint_path", str(checkpoint), "--prompt", "Rivers", "--speculate", "eagle2",

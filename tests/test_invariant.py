@@ -1,15 +1,16 @@
 """invariant.py, batch-invariant mode: a token's row is the same from a one-token step and from a
 verify of many, eager and compiled, and the mode's attention is attention."""
 import copy
+import types
 
 import pytest
 import torch
 
 import invariant
 from attention import use_attention
-from compiling import compile_function
+from compiling import compile_function, cpu_settings
 from conftest import invariant_cases, tiny_target
-from cpu import PackedLinear, pack_linears
+from cpu import PackedLinear, onednn_gemms, pack_linears
 from invariant import WindowMask, invariant_attention
 from model import ModelArgs, Transformer, TreeMask, transformer_configs
 from test_model import TINY, make_model
@@ -109,7 +110,7 @@ def test_batch_invariant_rows_equal_one_token_steps_bf16(name):
             assert torch.equal(logits, steps), (case, P, T)
 
 
-# the eager tests below ask eager_invariant_rows up to 32 rows, all of them: one probe of SmolLM2's
+# the eager tests below ask gemm_invariant_rows up to 32 rows, all of them: one probe of SmolLM2's
 # shapes (its LM head's is the slow one), cached for the rest (tests/test_speculative.py too)
 EAGER_ROWS_ASKED = 32
 
@@ -117,16 +118,16 @@ EAGER_ROWS_ASKED = 32
 @pytest.mark.all_threads
 @pytest.mark.parametrize("packed", [False, True])
 @torch.no_grad()
-def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits(packed):
-    """invariant.eager_invariant_rows: every row count up to its answer gives each row of each of the
+def test_gemm_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits(packed):
+    """invariant.gemm_invariant_rows: every row count up to its answer gives each row of each of the
     model's linears the bits of a one-row call (checked here on other data than the probe's), and
     where it is below what was asked one more row does not, for some linear. packed: the linears
     as an eager bf16 run on a CPU holds them (cpu.pack_linears: oneDNN's packed weights)."""
     net = smollm2_two_layers_bf16()
     if packed and not pack_linears(net):
         pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
-    rows = invariant.eager_invariant_rows(net, most=EAGER_ROWS_ASKED)
-    assert invariant.eager_invariant_rows(net, most=3) == min(3, rows)  # generate.py asks up to a tree's size
+    rows = invariant.gemm_invariant_rows(net, most=EAGER_ROWS_ASKED)
+    assert invariant.gemm_invariant_rows(net, most=3) == min(3, rows)  # generate.py asks up to a tree's size
     linears = [mod for mod in net.modules() if type(mod) in (torch.nn.Linear, PackedLinear)]
     assert linears and all((type(lin) is PackedLinear) == packed for lin in linears)
     x = torch.randn(rows + 1, net.config.intermediate_size, generator=torch.Generator().manual_seed(5))
@@ -135,9 +136,12 @@ def test_eager_invariant_rows_is_where_eager_gemms_stop_giving_one_row_bits(pack
         alone = torch.cat([lin(r) for r in xs.split(1)])
         assert all(torch.equal(lin(xs[:n]), alone[:n]) for n in range(1, rows + 1)), lin
     if rows < EAGER_ROWS_ASKED:  # some linear gives a call of rows + 1 other bits
-        assert any(invariant._eager_linear_rows(lin.weight.dtype, lin.out_features, lin.in_features, most=rows + 1,
+        assert any(invariant._linear_rows(lin.weight.dtype, lin.out_features, lin.in_features, most=rows + 1,
                                         packed=packed, threads=torch.get_num_threads()) == rows
                    for lin in linears)
+
+
+SMOLLM2_WIDTHS = dict(dim=576, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=1024)
 
 
 def smollm2_two_layers_bf16():
@@ -152,39 +156,40 @@ def smollm2_two_layers_bf16():
 @pytest.mark.all_threads
 @pytest.mark.parametrize("packed", [False, True])
 def test_batch_invariant_eager_verify_rows_equal_one_token_steps_bf16(packed):
-    """In the mode, eager, a verify of as many nodes as invariant.eager_invariant_rows finds this CPU's
+    """In the mode, eager, a verify of as many nodes as invariant.gemm_invariant_rows finds this CPU's
     GEMMs invariant for (up to 32 here) gives every row the bits of one-token steps, however the
     tree lays out its keys (compiled, 64 in the next tests).
     Without the mode a 48-node verify's rows differ from the steps' on some CPUs and not on others,
     so that side is not asserted.
     packed: the linears as generate.py runs eager bf16 on a CPU (pack_linears), which
-    eager_invariant_rows probes as packed (it once looked for nn.Linear only and, finding none,
+    gemm_invariant_rows probes as packed (it once looked for nn.Linear only and, finding none,
     allowed any tree, where a packed down projection rounds calls of 2 rows or more apart)."""
     model = smollm2_two_layers_bf16()
     if packed and not pack_linears(model):
         pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
     invariant.enable(model, window=32)
-    region = invariant.eager_invariant_rows(model, most=EAGER_ROWS_ASKED)
+    region = invariant.gemm_invariant_rows(model, most=EAGER_ROWS_ASKED)
     steps, cases = invariant_cases(model, torch.bfloat16, 100, min(12, region), region)
     assert all(torch.equal(logits, steps) for logits in cases.values())
 
 
 @pytest.mark.all_threads
-@pytest.mark.autotune  # the C++ GEMM templates, as generate.py compiles: they are what must be invariant
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.autotune  # the GEMMs generate.py compiles (templates, or oneDNN's): they are what must be invariant
+@pytest.mark.parametrize("dtype,widths", [(torch.bfloat16, {}), (torch.float16, {}), (torch.float32, {}),
+                                          (torch.bfloat16, SMOLLM2_WIDTHS)])
 @torch.no_grad()
-def test_batch_invariant_compiled_step_and_verify_graphs_give_equal_rows(dtype):
-    """Compiled for the CPU (Inductor, freezing, C++ GEMM templates), the one-token step and the
-    verify are different graphs; in batch-invariant mode their rows agree bit for bit for trees of
-    16 and 64 nodes in bf16, of 64 in fp16 and float32 (eager, float32 and float16 GEMMs are not
-    row-count invariant: invariant.problem).
+def test_batch_invariant_compiled_step_and_verify_graphs_give_equal_rows(dtype, widths):
+    """Compiled for the CPU (Inductor, freezing, C++ GEMM templates or, where cpu.onednn_gemms, oneDNN's),
+    the one-token step and the verify are different graphs; in batch-invariant mode their rows agree bit
+    for bit for trees of 16 and 64 nodes in bf16 (at tiny-llama's and SmolLM2's widths), of 64 in fp16
+    and float32 (eager, float32 and float16 GEMMs are not row-count invariant: invariant.problem).
     Four layers, not tiny-llama's two: Inductor inlines a chain of residual adds into the kernels
     that read it and stores the sum where the chain grows too long, which a two- or three-layer
     graph does at the same adds in both graphs and a four-layer one does not; without the mode's
     emulate_precision_casts (compiling.CPU_INVARIANT) the unrounded sums then gave every row of
     the bf16 case apart, as they did for the whole of SmolLM2."""
     torch._dynamo.reset()
-    model = tiny_target("tiny-llama", n_layer=4).to(dtype)
+    model = tiny_target("tiny-llama", n_layer=4, **widths).to(dtype)
     invariant.enable(model, window=32)
     compiled = compile_function(model.forward, "cpu", (model,))
     eager_forward, model.forward = model.forward, compiled
@@ -198,6 +203,52 @@ def test_batch_invariant_compiled_step_and_verify_graphs_give_equal_rows(dtype):
     finally:
         model.forward = eager_forward
         torch._dynamo.reset()
+
+
+@pytest.mark.all_threads
+@pytest.mark.skipif(not onednn_gemms(torch.bfloat16), reason="compiled bf16 GEMMs are Inductor's templates here")
+@torch.no_grad()
+def test_compiled_onednn_linear_gives_one_row_the_bits_of_many_through_one_row_as_two():
+    """Compiled as the mode compiles where GEMMs go to oneDNN, SmolLM2's down projection (1,536 inputs):
+    through invariant.one_row_as_two a one-row call gives each of 256 rows the bits that calls of 2, 3, 8
+    and 16 rows give it (without it, 27 of 147,456 outputs differ on a Zen 5, too few for the model-level
+    test above to meet). The mode compiles with ATen's GEMMs alone here."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1536, 576, bias=False)).to(torch.bfloat16).eval()
+    net[0].forward = types.MethodType(invariant.one_row_as_two, net[0])
+    forward = compile_function(net.forward, "cpu", (net,))
+    assert cpu_settings((net,))["max_autotune_gemm_backends"] == "ATEN"
+    x = torch.randn(256, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    try:
+        alone = torch.cat([forward(row) for row in x.split(1)])
+        for m in (2, 3, 8, 16):
+            assert torch.equal(torch.cat([forward(rows) for rows in x.split(m)]), alone), m
+    finally:
+        torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_one_row_as_two_gives_a_row_the_bits_of_a_two_row_call_and_packing_keeps_it():
+    """invariant.one_row_as_two: a one-row call (any leading shape) returns the first row of a two-row
+    call, in the caller's shape; calls of more rows are the linear's own; cpu.pack_linears keeps it."""
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(1536, 576).to(torch.bfloat16)
+    x = torch.randn(3, 1536, generator=g).to(torch.bfloat16)
+    usual = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    linear.forward = types.MethodType(invariant.one_row_as_two, linear)
+    assert torch.equal(linear(x), usual)
+    two = torch.cat([x[:1], torch.zeros_like(x[:1])])
+    first_of_two = torch.nn.functional.linear(two, linear.weight, linear.bias)[0]
+    for shape in ((1536,), (1, 1536), (1, 1, 1536)):
+        y = linear(x[0].view(shape))
+        assert y.shape == (*shape[:-1], 576) and torch.equal(y.reshape(-1), first_of_two)
+    net = torch.nn.Sequential(linear)
+    if not pack_linears(net):
+        pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
+    packed = net[0]
+    assert type(packed) is PackedLinear and packed.forward.__self__ is packed
+    assert torch.equal(packed(x[:1]), PackedLinear.forward(packed, two)[:1])
 
 
 def test_flash_rows_pads_only_where_the_kernel_rounds_apart_and_leaves_sampling_alone():

@@ -212,14 +212,14 @@ def test_greedy_equals_vanilla_in_bf16_with_batch_invariance_on_smollm2(smollm2_
     """bfloat16, where the batched verify and the one-token step round differently: with the
     target in batch-invariant mode (generate.py --batch_invariant) every speculative answer equals
     plain decoding's token for token, EAGLE-2 and EAGLE-3 heads with prompt lookup grafted on.
-    Eager, trees as large as this CPU's GEMMs allow (invariant.eager_invariant_rows: it depends on
+    Eager, trees as large as this CPU's GEMMs allow (invariant.gemm_invariant_rows: it depends on
     the CPU, and where it is 1 the test skips)."""
     from checkpoint import load_draft
     from tokenizer import load_tokenizer
 
     target = checkpoint.load_model(smollm2_checkpoint / "model.pth", "cpu", torch.bfloat16)
     invariant.enable(target)
-    nodes = min(24, invariant.eager_invariant_rows(target, most=32))  # 32: as tests/test_model.py asks (cached)
+    nodes = min(24, invariant.gemm_invariant_rows(target, most=32))  # 32: as tests/test_model.py asks (cached)
     if nodes < 2:  # generate.py refuses such runs in one line (tests/test_generate.py)
         pytest.skip("this CPU's eager bf16 GEMMs give a one-row call's bits to no call of 2 rows: no tree fits")
     lookup = min(8, nodes // 3)
