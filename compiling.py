@@ -150,8 +150,7 @@ def render_templates_from_cache():
 
 
 def gemms_on_onednn(modules) -> bool:
-    """Whether compiled CPU graphs of the modules run GEMMs on oneDNN: no quantized layer, float linears in
-    a dtype cpu.onednn_gemms gives it."""
+    """Whether the modules' compiled CPU graphs call oneDNN for GEMMs (cpu.onednn_gemms; no quantized layer)."""
     inside = [m for module in modules for m in module.modules()]
     return (not any(isinstance(m, QUANTIZED_LINEARS) for m in inside)
             and any(isinstance(m, nn.Linear) and onednn_gemms(m.weight.dtype) for m in inside))

@@ -1,5 +1,4 @@
-"""oneDNN on a CPU: which GEMMs run on it, and packed linears for eager half-precision runs, swapped
-in from outside the model.
+"""oneDNN on a CPU: which compiled GEMMs call it; packed linears for eager half precision, swapped in from outside.
 
 torch's eager bf16/fp16 matmul on a CPU reorders the weight into oneDNN's blocked layout on every
 call; PackedLinear reorders it once. Compiled runs keep nn.Linear: Inductor's freezing packs weights
