@@ -1,9 +1,12 @@
 """oneDNN on a CPU: which compiled GEMMs call it; packed linears for eager half precision, swapped in from outside.
 
 torch's eager bf16/fp16 matmul on a CPU reorders the weight into oneDNN's blocked layout on every
-call; PackedLinear reorders it once. Compiled runs keep nn.Linear: Inductor's freezing packs weights
-itself, and cannot trace these opaque ones. float32 keeps torch's own kernels: packing gains little
-there, and float32 runs are the reference that speculative output is checked against."""
+call; PackedLinear reorders it once. Compiled runs keep nn.Linear, whose opaque packed weights no
+graph can trace: a package's graph packs them itself (packed_in_graph), and freezing folds that into
+constants. float32 keeps torch's own kernels: packing gains little there, and float32 runs are the
+reference that speculative output is checked against."""
+import contextlib
+import functools
 import types
 
 import torch
@@ -21,8 +24,45 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        return _onednn_linear(self, x, self.weight)
+
+
+def _onednn_linear(linear: nn.Module, x: Tensor, packed: Tensor) -> Tensor:
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, linear.in_features), packed, linear.bias, "none", [], "")
+    return y.view(*x.shape[:-1], linear.out_features)
+
+
+def _packing_forward(linear: nn.Linear, x: Tensor) -> Tensor:
+    return _onednn_linear(linear, x, torch.ops.mkldnn._reorder_linear_weight(linear.weight, None))
+
+
+@contextlib.contextmanager
+def packed_in_graph(module: nn.Module):
+    """While a package's graph is traced: module's nn.Linears where onednn_gemms pack their weight as an
+    op of the graph, which freezing folds into a constant in oneDNN's layout (ATen's bf16 GEMM, the
+    graph's otherwise, packs it at every call: RESULTS.md, "CPU packages"). The kernel is PackedLinear's,
+    whose rows invariant.gemm_invariant_rows probes."""
+    linears = [m for m in module.modules() if type(m) is nn.Linear and onednn_gemms(m.weight.dtype)]
+    if linears:
+        _trace_packing()
+    for m in linears:
+        m.forward = types.MethodType(_packing_forward, m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+@functools.cache
+def _trace_packing():
+    """torch has no fake kernel for the packing op, so tracing could not pass it: its result's shape and
+    dtype are the weight's (the layout, opaque, only runs for real, when freezing folds it)."""
+    try:
+        torch.library.register_fake("mkldnn::_reorder_linear_weight")(lambda weight, batch_size=None:
+                                                                       torch.empty_like(weight))
+    except RuntimeError:  # a torch that has one
+        pass
 
 
 def can_pack_linears(dtype: torch.dtype, device) -> bool:
@@ -44,14 +84,11 @@ def onednn_gemms(dtype: torch.dtype) -> bool:
 def pack_linears(module: nn.Module) -> int:
     """Replace every plain nn.Linear of module (a Transformer or a draft) by a PackedLinear, in place,
     where can_pack_linears says it serves; returns how many. A tied LM head is packed as its own
-    copy (the embedding keeps the plain table). Quantized layers are left alone. A forward set on a
-    linear's instance (batch-invariant mode's invariant.one_row_as_two) carries over."""
+    copy (the embedding keeps the plain table). Quantized layers are left alone."""
     linears = [(name, m) for name, m in module.named_modules()
                if type(m) is nn.Linear and can_pack_linears(m.weight.dtype, m.weight.device)]
     for name, m in linears:
-        module.set_submodule(name, packed := PackedLinear(m))
-        if "forward" in m.__dict__:
-            packed.forward = types.MethodType(m.forward.__func__, packed)
+        module.set_submodule(name, PackedLinear(m))
     return len(linears)
 
 

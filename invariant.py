@@ -6,7 +6,7 @@ bfloat16 and float16 too (docs/batch_invariance.md). enable(model) applies it fr
                  cache slots in place, the W + 1 recent positions gathered in order. On a CPU via
                  ATen's flash kernel (invariant_attention); on CUDA via gpu_kernels/invariant.py.
     linears      compiled on a CPU, Inductor's C++ GEMM templates only or, where cpu.onednn_gemms,
-                 oneDNN's with one-row calls run as two (one_row_as_two); quantized layers via
+                 oneDNN's with one-token steps run as two tokens (step_as_two); quantized layers via
                  quantize.set_row_invariant; on CUDA, gpu_kernels/invariant.py's (use_invariant_kernels).
     torch's      GEMMs (eager, or oneDNN's compiled) keep rows invariant only up to a row count that
                  depends on the CPU and shape: gemm_invariant_rows asks them, larger trees are refused.
@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 import compiling
@@ -74,20 +75,21 @@ def enable(model: Transformer, window: int = WINDOW) -> Transformer:
     if cuda:
         use_invariant_kernels(model)
     elif onednn_gemms(model.tok_embeddings.weight.dtype):
-        for m in model.modules():
-            if type(m) in (nn.Linear, PackedLinear):
-                m.forward = types.MethodType(one_row_as_two, m)  # (cpu.pack_linears carries it over)
+        model.forward = types.MethodType(step_as_two, model)  # (a deepcopy rebinds it)
     return model
 
 
-def one_row_as_two(linear: nn.Module, x: Tensor) -> Tensor:
-    """A float linear's forward in the mode where its GEMMs run on oneDNN: a call of one row runs as two
-    (the row and zeros) and keeps the first. oneDNN can round a one-row call apart from calls of 2 or
-    more rows, which agree (a down projection: gemm_invariant_rows finds it; a verify has 2 or more)."""
-    if x.numel() != x.size(-1):
-        return type(linear).forward(linear, x)
-    two = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.size(-1))])
-    return type(linear).forward(linear, two)[:1].reshape(*x.shape[:-1], -1)
+def step_as_two(model: Transformer, idx: Tensor, input_pos: Tensor, cache_pos=None, mask=None, **kwargs):
+    """The target's forward in the mode where its GEMMs run on oneDNN, which can round a one-row call
+    apart from calls of 2 or more rows, which agree (gemm_invariant_rows finds it): a one-token step runs
+    as two copies of its token at its position (both write the same cache entry) and keeps the first.
+    So a step is a two-node verify, and compiled, its graph fuses what a verify's does."""
+    if idx.size(1) != 1 or not isinstance(mask, WindowMask):  # (_window_masks gives a step its WindowMask)
+        return Transformer.forward(model, idx, input_pos, cache_pos, mask, **kwargs)
+    def two(t):
+        return t.expand(t.size(0), 2, *t.shape[2:])
+    out = Transformer.forward(model, two(idx), two(input_pos), two(cache_pos), WindowMask(*map(two, mask)), **kwargs)
+    return pytree.tree_map(lambda t: t[:, :1], out)
 
 
 def _setup_caches_of_min_slots(model: Transformer, max_batch_size: int, max_seq_length: int):
@@ -144,14 +146,15 @@ def problem(device: str, dtype: str, compile: bool, quantized: Optional[str], te
 
 def gemm_invariant_rows(model: nn.Module, most: int = ROWS_PROBED) -> int:
     """The most rows (up to most) every float linear of model computes with each row's bits those of a
-    one-row call, eagerly, as the model holds it (PackedLinear, one_row_as_two). Smallest shape first,
-    and only up to the answer so far, so that the costly LM head probe stops early."""
-    shapes = sorted({(m.weight.dtype, m.out_features, m.in_features, type(m) is PackedLinear, "forward" in m.__dict__)
+    one-token step, eagerly, as the model holds them (PackedLinear) and steps (step_as_two). Smallest
+    shape first, and only up to the answer so far, so that the costly LM head probe stops early."""
+    as_two = getattr(model.forward, "__func__", None) is step_as_two
+    shapes = sorted({(m.weight.dtype, m.out_features, m.in_features, type(m) is PackedLinear)
                      for m in model.modules() if type(m) in (nn.Linear, PackedLinear) and m.weight.is_floating_point()
                      and m.weight.device.type == "cpu"},
-                    key=lambda shape: (shape[1] * shape[2], str(shape[0]), shape[3], shape[4]))
+                    key=lambda shape: (shape[1] * shape[2], str(shape[0]), shape[3]))
     rows = min(most, ROWS_PROBED)
-    for dtype, out_features, in_features, packed, as_two in shapes:
+    for dtype, out_features, in_features, packed in shapes:
         rows = _linear_rows(dtype, out_features, in_features, most=rows, packed=packed, as_two=as_two,
                             threads=torch.get_num_threads())
     return rows
@@ -177,7 +180,8 @@ def _linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: 
                  packed: bool = False, as_two: bool = False, threads: int) -> int:
     """The largest m <= most such that calls of 1 .. m rows give every row the bits it gets alone, each
     count tried on many rows of seeded data (a path that rounds apart may touch only a few rows); as_two:
-    through one_row_as_two. threads is a cache key only: the thread split can decide rounding."""
+    alone is a call of the row twice (step_as_two). threads is a cache key only: the thread split can
+    decide rounding."""
     if most <= 1:
         return most
     g = torch.Generator().manual_seed(0)
@@ -185,10 +189,8 @@ def _linear_rows(dtype: torch.dtype, out_features: int, in_features: int, most: 
     linear.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
     if packed:
         linear = PackedLinear(linear)
-    if as_two:
-        linear.forward = types.MethodType(one_row_as_two, linear)
     x = torch.randn(max(ROWS_PROBED, -(-65536 // out_features)), in_features, generator=g).to(dtype)
-    alone = torch.cat([linear(row) for row in x.split(1)])
+    alone = torch.cat([linear(row.repeat(2, 1))[:1] if as_two else linear(row) for row in x.split(1)])
     for m in range(2, most + 1):
         if not torch.equal(torch.cat([linear(rows) for rows in x.split(m)]), alone):
             return m - 1

@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 import compiling
 from compiling import render_templates_from_cache, weights_digest
+from cpu import packed_in_graph
 from quantize import QUANTIZED_LINEARS
 from sampling import sample
 from trees import StaticTree
@@ -151,7 +152,8 @@ class Packaged:
         # Once eagerly on copies of the state: probes that cache their answers (invariant.py's) run
         # now, on real tensors; tracing then reads their answers. The tracing gets copies too.
         self.bound(*(t.clone() for t in (*args, *state)))
-        exported = torch.export.export(self.bound.eval(), tuple(t.clone() for t in (*args, *state)), strict=False)
+        with packed_in_graph(self.bound.call.inner):
+            exported = torch.export.export(self.bound.eval(), tuple(t.clone() for t in (*args, *state)), strict=False)
         hidden = list(exported.graph_signature.buffers_to_mutate.values())
         if hidden:  # the package would update its own copy, and the caller's state would go stale
             raise RuntimeError(f"{self.name} writes buffers it keeps as constants: {', '.join(hidden)} "

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import defaults  # noqa: E402
 import generate as gen  # noqa: E402
 import invariant  # noqa: E402
+import packages  # noqa: E402
 import tp  # noqa: E402
 from attention import use_attention  # noqa: E402
 from autoshape import auto_tree, cpu_name, probe_prompts  # noqa: E402
@@ -259,20 +260,23 @@ def step_timer(model: Transformer, step, prompt: torch.Tensor):
 
 
 def plain_decoders(args, model: Transformer, stop_ids, name: str, compiled: bool) -> tuple:
-    """({(name, T): decode(prompt_ids, max_new_tokens, warm_up=False) -> (ids, Forwards)}, the step): plain decoding,
-    compiled as generate.py compiles it (CUDA graphs on CUDA)."""
+    """({(name, T): decode(prompt_ids, max_new_tokens, warm_up=False) -> (ids, Forwards)}, the greedy step): plain
+    decoding, compiled as generate.py compiles it (CUDA graphs on CUDA; packages where they serve, as for rounds)."""
     step, first = gen.decode_one_token, gen.prefill
     if compiled:
         step = compile_step(gen.decode_one_token, args.device, model)
         if args.compile_prefill:
             first = compile_prefill(gen.prefill, args.device, model)
+    greedy = step
+    if compiled and packages.usable(args.device, 0.0, model):
+        greedy = packages.packaged_step(model, packages.folder(args.checkpoint_path))
 
     def decode(T, prompt_ids, max_new_tokens, warm_up=False):  # (a warm-up is just a shorter call here)
         prompt = torch.tensor([prompt_ids], device=args.device)
         ids = gen.generate(model, prompt, max_new_tokens, stop_ids=stop_ids, temperature=T, prefill_fn=first,
-                           decode_fn=step)[0]
+                           decode_fn=greedy if T == 0 else step)[0]
         return ids, gen.Forwards([1] * (len(ids) - 1))  # one token per forward after the prefill
-    return {(name, T): partial(decode, T) for T in args.temperatures}, step
+    return {(name, T): partial(decode, T) for T in args.temperatures}, greedy
 
 
 # ---- MT-bench --------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """invariant.py, batch-invariant mode: a token's row is the same from a one-token step and from a
 verify of many, eager and compiled, and the mode's attention is attention."""
 import copy
-import types
 
 import pytest
 import torch
 
 import invariant
+import packages
 from attention import use_attention
 from compiling import compile_function, cpu_settings
 from conftest import invariant_cases, tiny_target
@@ -205,50 +205,89 @@ def test_batch_invariant_compiled_step_and_verify_graphs_give_equal_rows(dtype, 
         torch._dynamo.reset()
 
 
+def step_logits(model, idx, input_pos):
+    return model(idx, input_pos)
+
+
+def verify_logits(model, idx, input_pos, cache_pos, prefix_len, visible):
+    return model(idx, input_pos, cache_pos, TreeMask(prefix_len, visible))
+
+
+class PackagedForward:
+    """A model's steps and verifies through packages (packages.py), as invariant_cases calls a model."""
+
+    def __init__(self, model, folder):
+        self.max_seq_length, self.config, self.tok_embeddings = model.max_seq_length, model.config, model.tok_embeddings
+        self.step = packages.Packaged(step_logits, model, "step", folder)
+        self.verify = packages.Packaged(verify_logits, model, "verify", folder)
+
+    def __call__(self, idx, input_pos, cache_pos=None, mask=None):
+        if mask is None:
+            return self.step(idx, input_pos)
+        return self.verify(idx, input_pos, cache_pos, mask.prefix_len, mask.visible)
+
+
+@pytest.mark.all_threads
+@pytest.mark.autotune
+@torch.no_grad()
+def test_batch_invariant_packaged_step_and_verify_give_equal_rows(tmp_path):
+    """As the compiled test above, through AOTInductor packages, which generate.py runs on a CPU: where
+    GEMMs go to oneDNN their graphs pack the weights (cpu.packed_in_graph) and steps run as two
+    tokens (invariant.step_as_two); at SmolLM2's widths in bf16, trees of 16 and 64 nodes."""
+    model = tiny_target("tiny-llama", n_layer=4, **SMOLLM2_WIDTHS).to(torch.bfloat16)
+    invariant.enable(model, window=32)
+    model.setup_caches(1, 160)
+    packaged = PackagedForward(model, tmp_path)
+    for P, T, region in ((20, 8, 16), (30, 30, 64)):
+        model.setup_caches(1, 160)
+        steps, cases = invariant_cases(packaged, torch.bfloat16, P, T, region, prefill=model)
+        assert torch.equal(cases["tree spread"], steps), (T, region)
+        assert torch.equal(cases["tree reversed"], steps), (T, region)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["step", "verify", "verify"]
+
+
 @pytest.mark.all_threads
 @pytest.mark.skipif(not onednn_gemms(torch.bfloat16), reason="compiled bf16 GEMMs are Inductor's templates here")
 @torch.no_grad()
-def test_compiled_onednn_linear_gives_one_row_the_bits_of_many_through_one_row_as_two():
+def test_compiled_onednn_linear_gives_a_row_called_twice_the_bits_of_many_rows():
     """Compiled as the mode compiles where GEMMs go to oneDNN, SmolLM2's down projection (1,536 inputs):
-    through invariant.one_row_as_two a one-row call gives each of 256 rows the bits that calls of 2, 3, 8
-    and 16 rows give it (without it, 27 of 147,456 outputs differ on a Zen 5, too few for the model-level
-    test above to meet). The mode compiles with ATen's GEMMs alone here."""
+    a call of one row twice (what invariant.step_as_two makes of a step) gives each of 256 rows the
+    bits that calls of 2, 3, 8 and 16 rows give it (a one-row call does not: 27 of 147,456 outputs
+    differ on a Zen 5, too few for the model-level test above to meet). The mode compiles with
+    ATen's GEMMs alone here."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1536, 576, bias=False)).to(torch.bfloat16).eval()
-    net[0].forward = types.MethodType(invariant.one_row_as_two, net[0])
     forward = compile_function(net.forward, "cpu", (net,))
     assert cpu_settings((net,))["max_autotune_gemm_backends"] == "ATEN"
     x = torch.randn(256, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     try:
-        alone = torch.cat([forward(row) for row in x.split(1)])
+        alone = torch.cat([forward(row.repeat(2, 1))[:1] for row in x.split(1)])
         for m in (2, 3, 8, 16):
             assert torch.equal(torch.cat([forward(rows) for rows in x.split(m)]), alone), m
     finally:
         torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not onednn_gemms(torch.bfloat16), reason="the mode steps one token as one row here")
 @torch.no_grad()
-def test_one_row_as_two_gives_a_row_the_bits_of_a_two_row_call_and_packing_keeps_it():
-    """invariant.one_row_as_two: a one-row call (any leading shape) returns the first row of a two-row
-    call, in the caller's shape; calls of more rows are the linear's own; cpu.pack_linears keeps it."""
-    g = torch.Generator().manual_seed(0)
-    linear = torch.nn.Linear(1536, 576).to(torch.bfloat16)
-    x = torch.randn(3, 1536, generator=g).to(torch.bfloat16)
-    usual = torch.nn.functional.linear(x, linear.weight, linear.bias)
-    linear.forward = types.MethodType(invariant.one_row_as_two, linear)
-    assert torch.equal(linear(x), usual)
-    two = torch.cat([x[:1], torch.zeros_like(x[:1])])
-    first_of_two = torch.nn.functional.linear(two, linear.weight, linear.bias)[0]
-    for shape in ((1536,), (1, 1536), (1, 1, 1536)):
-        y = linear(x[0].view(shape))
-        assert y.shape == (*shape[:-1], 576) and torch.equal(y.reshape(-1), first_of_two)
-    net = torch.nn.Sequential(linear)
-    if not pack_linears(net):
-        pytest.skip("this CPU's oneDNN has no bf16 support: pack_linears packs nothing")
-    packed = net[0]
-    assert type(packed) is PackedLinear and packed.forward.__self__ is packed
-    assert torch.equal(packed(x[:1]), PackedLinear.forward(packed, two)[:1])
+def test_step_as_two_is_the_first_row_of_a_two_token_call_and_writes_the_steps_cache_entry():
+    """In the mode where GEMMs go to oneDNN, a one-token step (logits, features and layer inputs) is
+    the first row of a call of its token twice at its position, it writes the cache entry that call
+    writes, and a deepcopy of the model steps so too."""
+    model = invariant.enable(smollm2_two_layers_bf16(), window=32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    model(ids[:, :19], torch.arange(19))
+    twin = copy.deepcopy(model)
+    assert twin.forward.__self__ is twin
+    got = model(ids[:, 19:], torch.tensor([19]), return_features=True, layer_ids=(1,))
+    pos = torch.tensor([[19, 19]])
+    mask = invariant.window_mask(None, pos, pos, twin.max_seq_length, twin.invariant_window)
+    want = Transformer.forward(twin, ids[:, [19, 19]], pos, pos, mask, return_features=True, layer_ids=(1,))
+    for g, w in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        assert g.shape[:2] == (1, 1) and torch.equal(g, w[:, :1])
+    assert torch.equal(model.kv_storage, twin.kv_storage)
+    assert torch.equal(twin(ids[:, 19:], torch.tensor([19])), got[0])
 
 
 def test_flash_rows_pads_only_where_the_kernel_rounds_apart_and_leaves_sampling_alone():
