@@ -40,12 +40,11 @@ def _packing_forward(linear: nn.Linear, x: Tensor) -> Tensor:
 def packed_in_graph(module: nn.Module):
     """While a package's graph is traced: module's nn.Linears where onednn_gemms pack their weight as an
     op of the graph, which freezing folds into a constant in oneDNN's layout (ATen's bf16 GEMM, the
-    graph's otherwise, packs it at every call: RESULTS.md, "CPU packages"). The kernel is PackedLinear's,
+    graph's otherwise, packs it at every call: RESULTS.md, "CPU tree size"). The kernel is PackedLinear's,
     whose rows invariant.gemm_invariant_rows probes."""
     linears = [m for m in module.modules() if type(m) is nn.Linear and onednn_gemms(m.weight.dtype)]
-    if linears:
-        _trace_packing()
     for m in linears:
+        _fake_packing()
         m.forward = types.MethodType(_packing_forward, m)
     try:
         yield
@@ -55,14 +54,11 @@ def packed_in_graph(module: nn.Module):
 
 
 @functools.cache
-def _trace_packing():
-    """torch has no fake kernel for the packing op, so tracing could not pass it: its result's shape and
-    dtype are the weight's (the layout, opaque, only runs for real, when freezing folds it)."""
-    try:
-        torch.library.register_fake("mkldnn::_reorder_linear_weight")(lambda weight, batch_size=None:
-                                                                       torch.empty_like(weight))
-    except RuntimeError:  # a torch that has one
-        pass
+def _fake_packing():
+    """torch has no fake kernel for the packing op, which tracing needs: the weight's shape and dtype (the
+    opaque layout only exists for real, when freezing folds the op)."""
+    with contextlib.suppress(RuntimeError):  # a torch that has one
+        torch.library.register_fake("mkldnn::_reorder_linear_weight")(lambda w, batch_size=None: torch.empty_like(w))
 
 
 def can_pack_linears(dtype: torch.dtype, device) -> bool:

@@ -16,7 +16,7 @@ class Row(NamedTuple):
     dtype: str
     tree: object              # (top_k, depth, tokens) of eagle2's dynamic tree, or "auto" (autoshape.py measures)
     lookup: int               # prompt lookup's guesses added to every tree
-    invariant: bool           # batch-invariant mode: on where it costs at most 10 % of a step and of a round
+    invariant: bool           # batch-invariant mode: on where it costs at most 10 % of a round
     why: str                  # the sections of benchmarks/RESULTS.md whose measurements chose the row
 
 

@@ -24,6 +24,7 @@ import compiling  # noqa: E402
 import defaults  # noqa: E402
 import generate as gen  # noqa: E402
 import invariant  # noqa: E402
+import packages  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_draft, load_model  # noqa: E402
 from common import run_header, write_report  # noqa: E402
@@ -56,7 +57,7 @@ def parse_args(argv=None):
 
 def make_target(args, batch_invariant: bool):
     """One copy of the target and head, its step and its round, as generate.py runs them on a CPU
-    (compiled, or eager with the linears packed for oneDNN)."""
+    (compiled: from packages where they serve; or eager with the linears packed for oneDNN)."""
     model = load_model(args.checkpoint_path, "cpu", getattr(torch, args.dtype))
     if batch_invariant:
         invariant.enable(model)
@@ -70,7 +71,10 @@ def make_target(args, batch_invariant: bool):
                                   tree_tokens=args.tree_tokens, stop_ids=())  # no stop: rounds keep coming
     spec.setup(1, args.context)
     round_fn = spec.round
-    if args.compile:
+    if args.compile and packages.usable("cpu", 0.0, spec):  # as generate.py: packages where they serve
+        step = packages.packaged_step(model, packages.folder(args.checkpoint_path))
+        round_fn = packages.package_round(spec, packages.folder(args.checkpoint_path)).round
+    elif args.compile:
         round_fn = compiling.compile_function(spec.round, "cpu", (model, draft), options=compiling.ROUND_OPTIONS)
     return dict(model=model, step=step, spec=spec, round=round_fn, ms=dict(step=[], round=[]))
 
