@@ -66,9 +66,10 @@ def test_plain_rows_compile_their_step_as_vanilla_is(monkeypatch):
 
 
 def test_compiled_mt_bench_packages_greedy_rounds_only(tiny_checkpoint, tmp_path, monkeypatch):
-    """--compile on a CPU: the greedy rounds (their round, plain step and flush) go through packages.py
-    as generate.py's do, the sampled ones through torch.compile; here both run eagerly (the packages'
-    wrappers with their state as inputs, compile_function stubbed) and greedy answers equal vanilla's."""
+    """--compile on a CPU: the greedy rounds (their round, plain step and flush) and vanilla's greedy steps go
+    through packages.py as generate.py's do, the sampled ones through torch.compile; here both run eagerly
+    (the packages' wrappers with their state as inputs, compile_function stubbed) and greedy answers equal
+    vanilla's."""
     built, compiled = [], []
 
     def record(self, args, state):
@@ -81,7 +82,7 @@ def test_compiled_mt_bench_packages_greedy_rounds_only(tiny_checkpoint, tmp_path
                          "vanilla", "eagle2+lookup", "--tree_tokens", "8", "--num_questions", "1", "--max_new_tokens",
                          "16", "--device", "cpu", "--dtype", "float32", "--compile", "--temperatures", "0", "1",
                          "--no_plot", "--out", str(tmp_path / "c")])
-    assert set(built) == {"round", "plain_step", "flush"} and compiled  # T=1's round and the vanilla steps
+    assert set(built) == {"step", "round", "plain_step", "flush"} and compiled  # T=1's round and vanilla step
     rows = {(r["method"], r["temperature"]): r for r in report["records"] if r["category"] == "overall"}
     assert rows["eagle2+lookup", 0.0]["equal_to_vanilla"] == 1.0
 
