@@ -40,7 +40,7 @@ WARM_UP_TOKENS = 32    # a warm-up's tokens (rounds and plain steps taking turns
 # Plain decoding
 def prefill(model: Transformer, prompt: Tensor, temperature, top_k, top_p) -> Tensor:
     """Run the prompt [B, L] through the model, filling cache slots 0..L-1; returns the first new token [B]."""
-    logits = model(prompt, torch.arange(prompt.size(1), device=prompt.device))
+    logits = model(prompt, torch.arange(prompt.size(1), device=prompt.device), last_logits=True)
     return sample(logits[:, -1], temperature, top_k, top_p)
 
 

@@ -225,12 +225,14 @@ class Transformer(nn.Module):
         return first.device == self.kv_storage.device and first.data_ptr() == self.kv_storage.data_ptr()
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Optional[Tensor] = None,
-                mask=None, return_features: bool = False, layer_ids=(), kv_len: Optional[int] = None):
+                mask=None, return_features: bool = False, layer_ids=(), kv_len: Optional[int] = None,
+                last_logits: bool = False):
         """idx [B, T] token ids; input_pos [B, T] (or [T], shared by all rows) RoPE positions;
         cache_pos: slots to write, default = input_pos; mask [B, T, S] bool or a TreeMask (or
         another mask object that the attention kernels in use know), default causal by slot.
         kv_len: a host int promising that no query sees a slot >= kv_len, so that attention reads
-        only the cache's first kv_len slots instead of all S.
+        only the cache's first kv_len slots instead of all S. last_logits: the LM head reads the last
+        position only (a prefill samples from it alone; all L would be an L x vocab tensor).
 
         Returns logits [B, T, vocab]; with return_features or layer_ids, the tuple
         (logits, features, layer_inputs): features is the final post-norm hidden state that the
@@ -265,7 +267,7 @@ class Transformer(nn.Module):
                 seen[i] = x
             x = layer(x, cos, sin, cache_pos, mask, kv_len)
         features = self.norm(x)
-        logits = self.output(features)
+        logits = self.output(features[:, -1:] if last_logits else features)
         if return_features or layer_ids:
             return logits, features, [seen[i] for i in layer_ids]  # in the order asked for
         return logits

@@ -182,7 +182,7 @@ class Speculator(nn.Module):
         B, L = prompt.shape
         target, device = self.target, prompt.device
         logits, final, layer_inputs = target(prompt, torch.arange(L, device=device), return_features=True,
-                                             layer_ids=self.layer_ids)
+                                             layer_ids=self.layer_ids, last_logits=True)
         root = sample(logits[:, -1], *self.sampling)
         self.cu_tokens.zero_()
         self.cu_features.zero_()
