@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import tp
 from cpu import onednn_gemms
-from quantize import QUANTIZED_LINEARS, lower_int4_rows_to_the_kernel, lower_int8_rows_to_the_kernel
+from quantize import has_quantized, lower_int4_rows_to_the_kernel, lower_int8_rows_to_the_kernel
 
 # The decode step: gpt-fast's settings. A round: no coordinate descent, which would tune every kernel
 # of a graph of thousands of nodes. The FX graph cache lets another process load a compiled graph.
@@ -151,9 +151,8 @@ def render_templates_from_cache():
 
 def gemms_on_onednn(modules) -> bool:
     """Whether the modules' compiled CPU graphs call oneDNN for GEMMs (cpu.onednn_gemms; no quantized layer)."""
-    inside = [m for module in modules for m in module.modules()]
-    return (not any(isinstance(m, QUANTIZED_LINEARS) for m in inside)
-            and any(isinstance(m, nn.Linear) and onednn_gemms(m.weight.dtype) for m in inside))
+    return not has_quantized(*modules) and any(isinstance(m, nn.Linear) and onednn_gemms(m.weight.dtype)
+                                               for module in modules for m in module.modules())
 
 
 def cpu_settings(modules) -> dict:

@@ -43,8 +43,9 @@ def packed_in_graph(module: nn.Module):
     graph's otherwise, packs it at every call: RESULTS.md, "CPU tree size"). The kernel is PackedLinear's,
     whose rows invariant.gemm_invariant_rows probes."""
     linears = [m for m in module.modules() if type(m) is nn.Linear and onednn_gemms(m.weight.dtype)]
-    for m in linears:
+    if linears:
         _fake_packing()
+    for m in linears:
         m.forward = types.MethodType(_packing_forward, m)
     try:
         yield

@@ -31,7 +31,7 @@ from torch.func import functional_call
 import compiling
 from compiling import render_templates_from_cache, weights_digest
 from cpu import packed_in_graph
-from quantize import QUANTIZED_LINEARS
+from quantize import has_quantized
 from sampling import sample
 from trees import StaticTree
 
@@ -50,8 +50,7 @@ def usable(device: str, temperature: float, *modules: nn.Module) -> bool:
     """Whether packages replace torch.compile: on a CPU, greedy, unquantized. (Sampling draws
     random numbers, which a package seeds its own way; the int8/int4 kernels are Python ops,
     which a package cannot call.)"""
-    inside = [m for module in modules for m in module.modules()]  # a Speculator's target and draft too
-    return str(device) == "cpu" and temperature == 0 and not any(isinstance(m, QUANTIZED_LINEARS) for m in inside)
+    return str(device) == "cpu" and temperature == 0 and not has_quantized(*modules)
 
 
 def settings(*modules: nn.Module) -> dict:

@@ -352,6 +352,11 @@ class WeightOnlyInt4Linear(nn.Module):
 QUANTIZED_LINEARS = (WeightOnlyInt8Linear, WeightOnlyInt8Experts, WeightOnlyInt4Linear)
 
 
+def has_quantized(*modules: nn.Module) -> bool:
+    """Whether any of modules (a Speculator: its target and draft too) holds an int8 or int4 layer."""
+    return any(isinstance(m, QUANTIZED_LINEARS) for module in modules for m in module.modules())
+
+
 def pack_int4(model: nn.Module) -> nn.Module:
     """Pack every int4 layer for the device it is on; call after model.to(device, dtype)."""
     for m in model.modules():
