@@ -45,6 +45,10 @@ FLASH_BLOCK = 32
 # Over fewer keys than one key block it can round bf16 rows of large calls apart for every row
 # count, so the mode's cache on a CPU is never shorter than this.
 MIN_SLOTS = 512
+# The recent part's softmax runs over rows of this many columns or a multiple (a query head's old
+# key, the W + 1 recent ones, padding): whole vectors of ATen's elementwise loops, so eager as
+# compiled, no row's exp falls in a loop's scalar tail.
+KEYS_ROW = 32
 # The most rows gemm_invariant_rows tries (compiled, tests/test_invariant.py checks as many).
 ROWS_PROBED = 64
 
@@ -291,15 +295,17 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, slots: Optional[int] =
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Tensor:
     """Attention whose every query row is computed bit for bit the same however many rows come
     together and wherever a tree keeps their keys (usual attention is not: its matmuls round by row
-    count, and a tree's keys sit in another order), in two calls of ATen's CPU flash kernel:
-        old     slots below p - W in place: one call whose rows are each KV head's (query head,
-                query) pairs, each masked to its own old_end, padded as flash_rows says, over the
-                slots below the latest old_end in whole blocks (attention.live_slots)
-        recent  per query, a batch entry over the W + 1 positions p - W .. p gathered in order, in
-                float32, plus one key per query head standing for its old part: score 0, the old
-                call's log-sum-exp as bias and its output as value, so the softmax merges the two.
-    The merge is inside the kernel because merged outside it is not invariant compiled: Inductor picks
-    a vector or a scalar exp loop by the tensor's shape, and they differ in the last bit.
+    count, and a tree's keys sit in another order):
+        old     slots below p - W in place: one call of ATen's CPU flash kernel whose rows are each
+                KV head's (query head, query) pairs, each masked to its own old_end, padded as
+                flash_rows says, over the slots below the latest old_end in whole blocks
+                (attention.live_slots)
+        recent  per query, the W + 1 positions p - W .. p gathered in order, in float32, plus one
+                key per query head standing for its old part: score its log-sum-exp, value its
+                output, so that one softmax merges the two. Elementwise and reductions over each
+                row alone, of a length fixed by W (KEYS_ROW), whatever the rows' count.
+    The merge is inside that softmax because merged outside it is not invariant compiled: Inductor
+    picks a vector or a scalar exp loop by the shape of a tensor of rows, and they differ in the last bit.
     q [B, H, T, D]; k, v: the whole cache [B, KV, S, D]."""
     B, H, T, D = q.shape
     KV, S, W1 = k.size(1), k.size(2), mask.recent_slots.size(-1)
@@ -313,21 +319,24 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
     lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
 
-    # The recent call in float32 whatever the model's dtype: for such small entries the kernel's
-    # float32 path is the cheaper one (benchmarks/RESULTS.md, "Batch-invariant cost").
+    # The recent part in float32, as one softmax per query row over KEYS_ROW columns: its G old
+    # keys (score: the old call's log-sum-exp, only row g's own; value: its output), its W + 1
+    # recent ones, then padding. Each elementwise op thus runs over whole rows of a length fixed by
+    # W alone, so that no exp falls in a vector loop's scalar tail for some row counts and not others.
     rows = torch.arange(B, device=q.device)[:, None, None]
-    k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D).float()
+    k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, 1, W1, D).float()
     v_recent = v[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D).float()
     v_old = out_old.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D).float()
-    keys = torch.cat([k_recent.new_zeros(B * T, KV, G, D), k_recent], 2)
-    values = torch.cat([v_old, v_recent], 2)
-    # float32 bias: the old part's log-sum-exp enters unrounded; row g sees old key g only
-    own = torch.eye(G, dtype=torch.bool, device=q.device)
-    old_bias = torch.where(own, lse_old.permute(0, 3, 1, 2).reshape(B * T, KV, G, 1), neg_inf)
-    recent_bias = torch.zeros((), device=q.device).masked_fill(~mask.recent_ok, neg_inf)
-    recent_bias = recent_bias.view(B * T, 1, 1, W1).expand(B * T, KV, G, W1)
-    q_rows = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, D).float()
-    out, _ = _flash(q_rows, keys, values, torch.cat([old_bias, recent_bias], -1))
+    pad = -(G + W1) % KEYS_ROW
+    q_rows = q.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, KV, G, 1, D).float()
+    recent = (q_rows * k_recent).sum(-1) * D ** -0.5  # [B * T, KV, G, W + 1]
+    recent = recent.masked_fill(~mask.recent_ok.reshape(B * T, 1, 1, W1), neg_inf)
+    old = torch.where(torch.eye(G, dtype=torch.bool, device=q.device), lse_old.permute(0, 3, 1, 2)
+                      .reshape(B * T, KV, G, 1), neg_inf)
+    scores = torch.cat([old, recent, recent.new_full((B * T, KV, G, pad), neg_inf)], -1)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    values = torch.cat([v_old, v_recent, v_recent.new_zeros(B * T, KV, pad, D)], 2)
+    out = (weights[..., None] * values[:, :, None]).sum(-2) / weights.sum(-1, keepdim=True)
     return out.to(q.dtype).view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, H, T, D)
 
 

@@ -68,10 +68,11 @@ def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_togeth
     """The window form compiled for the CPU, at SmolLM2's geometry (9 query and 3 KV heads of 64)
     over a 1,100-slot cache: each row of a 3- and a 32-query call (each count a graph) equals the
     one-query call's bit for bit, though the calls read the cache's first 512, 1,024 or all 1,100
-    slots, as their latest query needs (attention.live_slots). When the two parts were merged outside the
-    kernel, Inductor computed the merge's exp in a vector loop for one query and in a scalar tail
+    slots, as their latest query needs (attention.live_slots). When the two parts were merged outside
+    the softmax, Inductor computed the merge's exp in a vector loop for one query and in a scalar tail
     loop for more, and float32 rows differed; the whole-model compiled test below (tiny-llama,
-    head_dim 16, 4 query heads over 2 KV heads) did not show it."""
+    head_dim 16, 4 query heads over 2 KV heads) did not show it. Compiled rows equal eager ones within
+    rounding only (Inductor sums in its own order): steps and verifies run both compiled or both eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     B, KV, G, S, D, T, W = 1, 3, 3, 1100, 64, 32, 32
@@ -89,7 +90,8 @@ def test_compiled_invariant_attention_rows_do_not_depend_on_how_many_come_togeth
         for n in (3, 32):
             together = compiled(q[:, :, :n], k, v, WindowMask(*(f[:, :n] for f in mask)))
             assert torch.equal(together, one[:, :, :n]), n
-        torch.testing.assert_close(one, invariant_attention(q, k, v, mask), atol=0, rtol=0)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(one.float(), invariant_attention(q, k, v, mask).float(), **tol)
     finally:
         torch._dynamo.reset()
 
