@@ -45,9 +45,9 @@ FLASH_BLOCK = 32
 # Over fewer keys than one key block it can round bf16 rows of large calls apart for every row
 # count, so the mode's cache on a CPU is never shorter than this.
 MIN_SLOTS = 512
-# The recent part's softmax runs over rows of this many columns or a multiple (a query head's old
-# key, the W + 1 recent ones, padding): whole vectors of ATen's elementwise loops, so eager as
-# compiled, no row's exp falls in a loop's scalar tail.
+# The recent part's softmax rows span a multiple of this many columns (its KV head's G old keys, the
+# W + 1 recent ones, padding): whole vectors of ATen's elementwise loops, so that eager as compiled,
+# no row's exp falls in a loop's scalar tail.
 KEYS_ROW = 32
 # The most rows gemm_invariant_rows tries (compiled, tests/test_invariant.py checks as many).
 ROWS_PROBED = 64
@@ -319,10 +319,8 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Te
     # a query that sees no old slot gets output 0 and log-sum-exp 0 from the kernel: it must weigh 0
     lse_old = lse_old.view(B, KV, G, T).masked_fill(mask.old_end[:, None, None] <= 0, neg_inf)
 
-    # The recent part in float32, as one softmax per query row over KEYS_ROW columns: its G old
-    # keys (score: the old call's log-sum-exp, only row g's own; value: its output), its W + 1
-    # recent ones, then padding. Each elementwise op thus runs over whole rows of a length fixed by
-    # W alone, so that no exp falls in a vector loop's scalar tail for some row counts and not others.
+    # The recent part in float32, one softmax per query row (KEYS_ROW): the G old keys (score: the
+    # old call's log-sum-exp, row g's own only; value: its output), the W + 1 recent ones, padding.
     rows = torch.arange(B, device=q.device)[:, None, None]
     k_recent = k[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, 1, W1, D).float()
     v_recent = v[rows, :, mask.recent_slots].permute(0, 1, 3, 2, 4).reshape(B * T, KV, W1, D).float()
