@@ -66,16 +66,17 @@ def make_target(args, batch_invariant: bool):
     if not args.compile:
         pack_linears(model)
         pack_linears(draft)
-    step = compiling.compile_step(gen.decode_one_token, "cpu", model) if args.compile else gen.decode_one_token
     spec = speculative.Speculator(model, draft, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth,
                                   tree_tokens=args.tree_tokens, stop_ids=())  # no stop: rounds keep coming
     spec.setup(1, args.context)
-    round_fn = spec.round
     if args.compile and packages.usable("cpu", 0.0, spec):  # as generate.py: packages where they serve
         step = packages.packaged_step(model, packages.folder(args.checkpoint_path))
         round_fn = packages.package_round(spec, packages.folder(args.checkpoint_path)).round
     elif args.compile:
+        step = compiling.compile_step(gen.decode_one_token, "cpu", model)
         round_fn = compiling.compile_function(spec.round, "cpu", (model, draft), options=compiling.ROUND_OPTIONS)
+    else:
+        step, round_fn = gen.decode_one_token, spec.round
     return dict(model=model, step=step, spec=spec, round=round_fn, ms=dict(step=[], round=[]))
 
 
